@@ -1,0 +1,1 @@
+"""jaxrl: JAX-native RL post-training for LLMs."""

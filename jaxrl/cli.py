@@ -1,0 +1,31 @@
+"""The ``jaxrl`` command line: ``jaxrl COMMAND [args...]``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# Each command lives in its own module with a ``main(argv) -> int``; importing
+# lazily keeps ``jaxrl --help`` fast and free of JAX start-up.
+COMMANDS = {
+    "demo": ("jaxrl.demo", "the main job: RL on a small model on this CPU"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxrl COMMAND [args...]\n\ncommands:")
+        for name, (_, doc) in COMMANDS.items():
+            print(f"  {name:10s} {doc}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"jaxrl: unknown command {name!r}; choose one of {sorted(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

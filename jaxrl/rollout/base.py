@@ -1,0 +1,160 @@
+"""The rollout interface every engine implements (embedded JAX sampler, SGLang).
+
+Token in, token out: prompts and conversations are token ids, never text, so the
+learner scores exactly the tokens the engine produced.
+
+Which distribution the returned logprobs belong to (SPEC section 5):
+- ``LogprobKind.RAW``: ``log_softmax(logits)`` at temperature 1, no top-k/top-p
+  filtering. This is what the learner recomputes, so it is the right
+  ``rollout_logp`` for mismatch metrics and TIS/MIS corrections.
+- ``LogprobKind.PROCESSED``: the distribution actually sampled from:
+  ``log_softmax(logits / T)`` renormalised over the top-k/top-p support. Using
+  it as ``old_logp`` against a learner that scores raw logits biases the ratio
+  whenever T != 1 or filtering is on (the TRL top-p bias issue).
+The trainer asks for RAW by default; the choice is explicit in
+``SamplingParams.logprob_kind``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import Sequence
+
+import numpy as np
+
+
+class LogprobKind(str, enum.Enum):
+    RAW = "raw"
+    PROCESSED = "processed"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``top_k=0`` and ``top_p=1.0`` disable filtering."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    logprob_kind: LogprobKind = LogprobKind.RAW
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "logprob_kind", LogprobKind(self.logprob_kind))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclasses.dataclass
+class Sample:
+    """One generated continuation.
+
+    prompt_ids: [P] int32, the full context the engine was given (for a
+      continued conversation: every earlier turn, tool tokens included).
+    output_ids: [N] int32, tokens the model generated in this call (a stop
+      token, when hit, is the last one).
+    output_logprobs: [N] float32, the engine's logprob of each output token, of
+      the distribution named by ``logprob_kind``.
+    finish_reason: "stop" (stop id hit) or "length".
+    weight_version: the engine's weight version that produced the sample.
+    routed_experts: [N, num_moe_layers, top_k] int32 for MoE models when the
+      engine reports routes (rollout routing replay, R3), else None.
+    """
+
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    output_logprobs: np.ndarray
+    finish_reason: str
+    weight_version: str
+    logprob_kind: LogprobKind = LogprobKind.RAW
+    routed_experts: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class Conversation:
+    """A multi-turn, token-level conversation.
+
+    ``token_ids`` [L] holds every token so far; ``model_mask`` [L] is 1 on tokens
+    the model generated and 0 on prompt, tool and environment tokens;
+    ``turn_ids`` [L] numbers model turns from 0 (-1 on non-model tokens);
+    ``rollout_logprobs`` [L] holds the engine's logprob on model tokens (0 elsewhere).
+    """
+
+    token_ids: np.ndarray
+    model_mask: np.ndarray
+    turn_ids: np.ndarray
+    rollout_logprobs: np.ndarray
+
+    @classmethod
+    def from_prompt(cls, prompt_ids: Sequence[int]) -> "Conversation":
+        n = len(prompt_ids)
+        return cls(
+            token_ids=np.asarray(prompt_ids, np.int32),
+            model_mask=np.zeros(n, np.int32),
+            turn_ids=np.full(n, -1, np.int32),
+            rollout_logprobs=np.zeros(n, np.float32),
+        )
+
+    @property
+    def num_model_turns(self) -> int:
+        return int(self.turn_ids.max(initial=-1)) + 1
+
+    def add_model_turn(self, sample: Sample) -> "Conversation":
+        n = len(sample.output_ids)
+        return Conversation(
+            token_ids=np.concatenate([self.token_ids, np.asarray(sample.output_ids, np.int32)]),
+            model_mask=np.concatenate([self.model_mask, np.ones(n, np.int32)]),
+            turn_ids=np.concatenate([self.turn_ids, np.full(n, self.num_model_turns, np.int32)]),
+            rollout_logprobs=np.concatenate(
+                [self.rollout_logprobs, np.asarray(sample.output_logprobs, np.float32)]
+            ),
+        )
+
+    def add_environment_tokens(self, token_ids: Sequence[int]) -> "Conversation":
+        """Appends tool/environment tokens; they are never trained on."""
+        n = len(token_ids)
+        return Conversation(
+            token_ids=np.concatenate([self.token_ids, np.asarray(token_ids, np.int32)]),
+            model_mask=np.concatenate([self.model_mask, np.zeros(n, np.int32)]),
+            turn_ids=np.concatenate([self.turn_ids, np.full(n, -1, np.int32)]),
+            rollout_logprobs=np.concatenate([self.rollout_logprobs, np.zeros(n, np.float32)]),
+        )
+
+
+class RolloutEngine(abc.ABC):
+    """What the trainer needs from a rollout engine."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1
+    ) -> list[list[Sample]]:
+        """``n`` samples for each prompt: result[i][j] is sample j of prompt i."""
+
+    def continue_conversations(
+        self, conversations: Sequence[Conversation], params: SamplingParams
+    ) -> list[Conversation]:
+        """One more model turn for each conversation (token in, token out)."""
+        samples = self.generate([c.token_ids.tolist() for c in conversations], params, n=1)
+        return [c.add_model_turn(s[0]) for c, s in zip(conversations, samples)]
+
+    @abc.abstractmethod
+    def update_weights(self, params, version: str) -> None:
+        """Loads new weights (the learner's parameter state) and sets the version."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> str:
+        """The version of the weights the engine samples with now."""
+
+    def close(self) -> None:
+        """Releases servers, caches and threads. Idempotent."""

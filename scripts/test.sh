@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up both environments (JAX; SGLang on CPU in its own venv) and runs the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if [ -f scripts/setup_sglang_cpu.sh ]; then bash scripts/setup_sglang_cpu.sh; fi
+exec .venv/bin/python -m pytest -q -ra "$@"
