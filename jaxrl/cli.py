@@ -8,7 +8,10 @@ import sys
 # Each command lives in its own module with a ``main(argv) -> int``; importing
 # lazily keeps ``jaxrl --help`` fast and free of JAX start-up.
 COMMANDS = {
-    "demo": ("jaxrl.demo", "the main job: RL on a small model on this CPU"),
+    "demo": ("jaxrl.demo", "main", "the main job: RL on a small model on this CPU"),
+    "train": ("jaxrl.trainer.cli", "train_main", "RL training from a config: jaxrl train CONFIG [key=value ...]"),
+    "sft": ("jaxrl.trainer.cli", "sft_main", "supervised fine-tuning from a config"),
+    "align": ("jaxrl.align.cli", "main", "logprob-alignment checker: engine vs learner"),
 }
 
 
@@ -16,15 +19,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: jaxrl COMMAND [args...]\n\ncommands:")
-        for name, (_, doc) in COMMANDS.items():
+        for name, (_, _, doc) in COMMANDS.items():
             print(f"  {name:10s} {doc}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"jaxrl: unknown command {name!r}; choose one of {sorted(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    module_name, function_name, _ = COMMANDS[name]
+    command = getattr(importlib.import_module(module_name), function_name)
+    return int(command(rest) or 0)
 
 
 if __name__ == "__main__":
