@@ -1,0 +1,214 @@
+"""Typed configs: YAML/JSON files -> nested frozen dataclasses, with ``key=value`` overrides.
+
+Any frozen dataclass whose fields carry type annotations can be loaded:
+
+    cfg = load_config(TrainConfig, "configs/demo.yaml", ["optimizer.lr=1e-4", "rollout.group_size=8"])
+
+Every key is checked against the dataclass: an unknown key is a ``ConfigError``
+naming the dotted key and the keys allowed there; a value of the wrong type
+names the key, the value, and the expected type (or the allowed values of a
+``Literal``/``Enum``). Values of overrides are parsed as YAML scalars
+(``8`` -> int, ``1e-4`` -> float, ``true`` -> bool, ``[1, 2]`` -> list), so
+the command line and the file follow the same rules. The dataclasses' own
+``__post_init__`` validation runs on construction; its ``ValueError`` is
+re-raised with the dotted path of the section it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import types
+import typing
+from typing import Any, Mapping, Sequence, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not match the typed config."""
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _convert(tp, value, key: str):
+    """Converts a YAML/JSON value to annotation ``tp``; raises ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: {value!r} matches none of {_type_name(tp)} ({'; '.join(errors)})")
+    if origin is typing.Literal:
+        if value in args and type(value) is type(args[args.index(value)]):
+            return value
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {list(args)}")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed; allowed values: {[m.value for m in tp]}"
+            ) from None
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if origin in (tuple, list, Sequence, typing.Sequence) or tp in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list for {_type_name(tp)}, got {value!r}")
+        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(args) != len(value):
+                raise ConfigError(f"{key}: expected {len(args)} items for {_type_name(tp)}, got {value!r}")
+            items = [_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+        else:
+            item_tp = args[0] if args else Any
+            items = [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return list(items) if origin is list or tp is list else tuple(items)
+    if origin in (dict, Mapping, typing.Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping for {_type_name(tp)}, got {value!r}")
+        key_tp, val_tp = args if args else (Any, Any)
+        return {
+            _convert(key_tp, k, f"{key}.<key>"): _convert(val_tp, v, f"{key}.{k}") for k, v in value.items()
+        }
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
+    """Builds dataclass ``cls`` from a nested mapping, checking every key and type.
+
+    Missing keys take the dataclass defaults; a missing key without a default is an
+    error naming it. ``prefix`` is the dotted path of this section (for messages).
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    where = f"{prefix}." if prefix else ""
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ConfigError(
+            f"unknown key {where}{unknown[0]!s} in section {prefix or '<top>'} ({cls.__name__}); "
+            f"allowed keys: {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, field in fields.items():
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], f"{where}{name}")
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing required key {where}{name} in section {prefix or '<top>'} ({cls.__name__})")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"section {prefix or '<top>'} ({cls.__name__}): {e}") from e
+
+
+def to_dict(config) -> dict:
+    """The plain nested dict of a config dataclass (enums as values, tuples as lists)."""
+
+    def plain(value):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, Mapping):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(config)
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """Reads a YAML (``.yaml``/``.yml``) or JSON (``.json``) config file into a dict."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist; pass the path of a .yaml or .json file")
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping at the top, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Returns a copy of ``data`` with ``a.b.c=value`` overrides applied (values parsed as YAML)."""
+    data = json.loads(json.dumps(data))  # Deep copy of plain data.
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty key segment in {dotted!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value {raw!r} is not valid YAML: {e}") from e
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
+    """Loads ``cls`` from a YAML/JSON file (or its defaults when ``path`` is None) plus overrides."""
+    data = read_config_file(path) if path is not None else {}
+    return from_dict(cls, apply_overrides(data, overrides))
