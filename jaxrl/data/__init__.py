@@ -1,0 +1,10 @@
+"""Data: JSONL/Parquet prompt datasets tokenised with a local tokenizer, served by Grain."""
+
+from jaxrl.data.pipeline import AllRowsBadError, BatchIterator, DataConfig, Example, LoadReport, load_examples
+from jaxrl.data.sources import Row, read_rows
+from jaxrl.data.tokenizer import encode_prompt, load_tokenizer, make_char_tokenizer
+
+__all__ = [
+    "AllRowsBadError", "BatchIterator", "DataConfig", "Example", "LoadReport", "Row", "encode_prompt",
+    "load_examples", "load_tokenizer", "make_char_tokenizer", "read_rows",
+]

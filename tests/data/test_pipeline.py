@@ -1,0 +1,150 @@
+"""Data pipeline: formats, bad rows, sharding, shuffling, resumable iteration, chat template."""
+
+import json
+import logging
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jaxrl.data import (
+    AllRowsBadError, BatchIterator, DataConfig, encode_prompt, load_examples, load_tokenizer, make_char_tokenizer,
+)
+
+ALPHABET = "0123456789+-*= abcdefghijklmnopqrstuvwxyz:\n<>/"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    make_char_tokenizer(str(folder), ALPHABET, words=[r"\boxed{", "}"])
+    return load_tokenizer(str(folder))
+
+
+def _jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(row if isinstance(row, str) else json.dumps(row))
+            f.write("\n")
+    return str(path)
+
+
+def test_char_tokenizer_round_trip(tokenizer):
+    ids = tokenizer.encode(r"12+7=\boxed{19}", add_special_tokens=False)
+    # 5 characters, one word token, 2 characters, the closing-brace word: 9 ids.
+    assert len(ids) == 9
+    assert tokenizer.decode(ids) == r"12+7=\boxed{19}"
+    assert tokenizer.eos_token_id == 1 and tokenizer.pad_token_id == 0
+
+
+def test_jsonl_and_parquet_give_same_examples(tokenizer, tmp_path):
+    rows = [{"q": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    jsonl = _jsonl(tmp_path / "a.jsonl", rows)
+    parquet = str(tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    config = DataConfig(prompt_field="q")
+    a, _ = load_examples([jsonl], config, tokenizer)
+    b, _ = load_examples([parquet], config, tokenizer)
+    assert [e.prompt for e in a] == [e.prompt for e in b] == [r["q"] for r in rows]
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.prompt_ids, y.prompt_ids)
+        assert x.row == y.row
+    np.testing.assert_array_equal(a[0].prompt_ids, tokenizer.encode("0+1=", add_special_tokens=False))
+
+
+def test_bad_rows_are_skipped_named_and_counted(tokenizer, tmp_path, caplog):
+    path = _jsonl(tmp_path / "mixed.jsonl", [
+        {"prompt": "1+1="},            # 0 good
+        {"question": "1+2="},          # 1 missing field
+        {"prompt": "   "},             # 2 empty prompt
+        {"prompt": "1" * 50},          # 3 too long
+        "{not json",                   # 4 unreadable
+        {"prompt": "2+2="},            # 5 good
+    ])
+    with caplog.at_level(logging.WARNING):
+        examples, report = load_examples([path], DataConfig(max_prompt_tokens=20), tokenizer)
+    assert [e.prompt for e in examples] == ["1+1=", "2+2="]
+    assert report.total_rows == 6 and report.bad_rows == 4
+    assert report.bad_by_reason == {"missing_field": 1, "empty_prompt": 1, "too_long": 1, "unreadable": 1}
+    for i in (1, 2, 3, 4):
+        assert f"mixed.jsonl row {i}" in caplog.text
+    assert "mixed.jsonl row 0" not in caplog.text
+
+
+def test_all_bad_rows_is_an_error(tokenizer, tmp_path):
+    path = _jsonl(tmp_path / "bad.jsonl", [{"x": 1}, {"prompt": ""}])
+    with pytest.raises(AllRowsBadError, match="all 2 rows"):
+        load_examples([path], DataConfig(), tokenizer)
+
+
+def test_missing_file_and_unknown_format(tokenizer, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_examples([str(tmp_path / "nope.jsonl")], DataConfig(), tokenizer)
+    (tmp_path / "x.csv").write_text("prompt\n1\n")
+    with pytest.raises(ValueError, match="unknown format"):
+        load_examples([str(tmp_path / "x.csv")], DataConfig(), tokenizer)
+
+
+def test_sft_rows_need_a_response(tokenizer, tmp_path):
+    path = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "1+1=", "response": "2"}, {"prompt": "1+2="}])
+    examples, report = load_examples([path], DataConfig(), tokenizer, with_response=True)
+    assert report.bad_by_reason == {"missing_field": 1}
+    np.testing.assert_array_equal(examples[0].response_ids, tokenizer.encode("2", add_special_tokens=False) + [1])
+
+
+def _examples(tokenizer, tmp_path, n):
+    path = _jsonl(tmp_path / "n.jsonl", [{"prompt": f"{i}="} for i in range(n)])
+    return load_examples([path], DataConfig(), tokenizer)[0]
+
+
+def _ids(batch):
+    return [e.prompt for e in batch]
+
+
+def test_shuffle_is_seeded_and_covers_each_epoch(tokenizer, tmp_path):
+    examples = _examples(tokenizer, tmp_path, 12)
+    first = [_ids(next(BatchIterator(examples, 4, seed=3))) for _ in range(2)]
+    assert first[0] == first[1]
+    it = BatchIterator(examples, 4, seed=3)
+    epoch1 = sum((_ids(next(it)) for _ in range(3)), [])
+    epoch2 = sum((_ids(next(it)) for _ in range(3)), [])
+    assert sorted(epoch1) == sorted(epoch2) == sorted(e.prompt for e in examples)
+    assert epoch1 != [e.prompt for e in examples]  # Shuffled.
+    assert epoch1 != epoch2  # Reshuffled each epoch.
+    assert _ids(next(BatchIterator(examples, 4, seed=4))) != first[0]
+
+
+def test_processes_get_disjoint_shards(tokenizer, tmp_path):
+    examples = _examples(tokenizer, tmp_path, 12)
+    seen = [sum((_ids(next(it)) for _ in range(2)), []) for it in
+            (BatchIterator(examples, 3, seed=0, process_index=p, process_count=2) for p in range(2))]
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == sorted(e.prompt for e in examples)
+    with pytest.raises(ValueError, match="batch_size=7 exceeds the 6 examples of process 1"):
+        BatchIterator(examples, 7, process_index=1, process_count=2)
+
+
+def test_iterator_state_resumes_exactly(tokenizer, tmp_path):
+    examples = _examples(tokenizer, tmp_path, 10)
+    straight = BatchIterator(examples, 3, seed=1)
+    expected = [_ids(next(straight)) for _ in range(7)]
+    first = BatchIterator(examples, 3, seed=1)
+    got = [_ids(next(first)) for _ in range(4)]
+    state = json.loads(json.dumps(first.state()))  # The state survives a JSON round trip (checkpoints).
+    resumed = BatchIterator(examples, 3, seed=1)
+    resumed.restore(state)
+    got += [_ids(next(resumed)) for _ in range(3)]
+    assert got == expected
+
+
+def test_chat_template_is_applied_when_present(tmp_path):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
+               "{% if add_generation_prompt %}<assistant>{% endif %}"
+    folder = str(tmp_path / "chat")
+    make_char_tokenizer(folder, ALPHABET, chat_template=template)
+    tok = load_tokenizer(folder)
+    ids = encode_prompt(tok, "1+1=")
+    assert tok.decode(ids) == "<user>1+1=\n<assistant>"
+    assert tok.decode(encode_prompt(tok, "1+1=", use_chat_template=False)) == "1+1="
+    assert tok.decode(encode_prompt(tok, "1+1=", system_prompt="be brief")) == "<system>be brief\n<user>1+1=\n<assistant>"
