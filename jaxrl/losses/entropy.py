@@ -15,8 +15,8 @@ Motif), so no ``[B, T, V]`` array is ever held.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,12 @@ __all__ = [
     "token_logprobs_from_logits",
     "token_entropy_from_logits",
     "token_logprobs_and_entropy",
+    "entropy_bonus",
+    "centered_cov",
+    "clip_cov_mask",
+    "kl_cov_penalty",
+    "EntropyLawFit",
+    "fit_entropy_law",
 ]
 
 
@@ -284,3 +290,219 @@ def token_logprobs_and_entropy(
                                   y.reshape(-1, chunk), vocab_chunk)
     unpad = lambda x: x.reshape(-1)[:num_tokens].reshape(batch, length)
     return unpad(logp), unpad(entropy)
+
+
+# --------------------------------------------------------------------------- #
+# Entropy bonus and covariance-based entropy control
+# --------------------------------------------------------------------------- #
+def _check_token_inputs(mask, **arrays):
+    for name, x in arrays.items():
+        check_floating(name, x)
+    check_mask("mask", mask)
+    check_rank("mask", mask, 2)
+    check_same_shape(mask=mask, **arrays)
+
+
+def entropy_bonus(entropy: jax.Array, mask: jax.Array, *, coef: float) -> jax.Array:
+    """Per-token entropy-bonus loss term ``-coef * H_t`` on masked tokens (SPEC section 4).
+
+    Returned per token so the objective aggregates it with the same mode and
+    normaliser as the policy loss (independent of the micro-batch split).
+
+    Args:
+      entropy: ``[B, T]`` float token entropy (carries gradient).
+      mask: ``[B, T]`` bool/0-1, 1 on policy-generated tokens.
+      coef: entropy coefficient (>= 0; adding the term to a minimised loss raises entropy).
+    Returns:
+      ``[B, T]`` float32, zero where ``mask`` is 0.
+    """
+    _check_token_inputs(mask, entropy=entropy)
+    check_positive("coef", coef, allow_zero=True)
+    return jnp.where(mask.astype(bool), -coef * entropy.astype(jnp.float32), 0.0)
+
+
+def _masked_mean(x, mask):
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def centered_cov(logp: jax.Array, advantages: jax.Array, mask: jax.Array) -> jax.Array:
+    """Per-token centred cross-product ``Cov_i = (logp_i - mean logp)(A_i - mean A)`` (SPEC section 4).
+
+    Means run over the ``N`` masked tokens of the whole batch; ``logp`` is
+    detached (the statistic selects tokens, it is not a loss).
+
+    Args:
+      logp: ``[B, T]`` float current logprobs.
+      advantages: ``[B, T]`` float token advantages.
+      mask: ``[B, T]`` bool/0-1.
+    Returns:
+      ``[B, T]`` float32, zero where ``mask`` is 0.
+    """
+    _check_token_inputs(mask, logp=logp, advantages=advantages)
+    keep = mask.astype(bool)
+    logp = jax.lax.stop_gradient(logp).astype(jnp.float32)
+    advantages = jax.lax.stop_gradient(advantages).astype(jnp.float32)
+    cov = (logp - _masked_mean(logp, keep)) * (advantages - _masked_mean(advantages, keep))
+    return jnp.where(keep, cov, 0.0)
+
+
+def _floor_fraction_of(count: jax.Array, ratio: float) -> jax.Array:
+    """``floor(ratio * count)`` exactly, reading ``ratio`` as the decimal it was written as.
+
+    ``2e-4 * 5000`` must give 1, which float32 does not guarantee. With
+    ``ratio = p / q`` in lowest terms, ``floor(n p / q) = (n // q) p + ((n % q) p) // q``
+    stays inside int32 while ``p q < 2**31`` (any ratio with a few decimals);
+    beyond that it falls back to float32.
+    """
+    frac = fractions.Fraction(repr(float(ratio)))
+    p, q = frac.numerator, frac.denominator
+    count = count.astype(jnp.int32)
+    if p * q < 2**31:
+        return (count // q) * p + ((count % q) * p) // q
+    return jnp.floor(count.astype(jnp.float32) * ratio).astype(jnp.int32)
+
+
+def _rank(score: jax.Array) -> jax.Array:
+    """Rank of each element of a 1-D array in ascending order (ties by position)."""
+    order = jnp.argsort(score, stable=True)
+    return jnp.zeros_like(order).at[order].set(jnp.arange(score.shape[0], dtype=order.dtype))
+
+
+def clip_cov_mask(
+    logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    key: jax.Array,
+    *,
+    ratio: float = 2e-4,
+    omega_low: float = 1.0,
+    omega_high: float = 5.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clip-Cov: tokens whose policy gradient is detached (SPEC section 4).
+
+    Among masked tokens with ``omega_low <= Cov_i <= omega_high`` pick
+    ``floor(ratio * N)`` uniformly at random with ``key`` (all of them if fewer
+    qualify). The objective zeroes those tokens' policy-gradient term. (verl
+    takes ``max(floor(ratio * N), 1)``; SPEC says ``floor``.)
+
+    Args:
+      logp: ``[B, T]`` float current logprobs.
+      advantages: ``[B, T]`` float token advantages.
+      mask: ``[B, T]`` bool/0-1.
+      key: a ``jax.random`` key; the same key gives the same selection.
+      ratio: fraction of the ``N`` masked tokens to detach, in [0, 1].
+      omega_low, omega_high: the covariance band.
+    Returns:
+      ``(detach [B, T] bool, metrics)``; metrics (scalars): ``clip_cov_count``
+      (int32, tokens detached), ``clip_cov_candidates`` (int32, tokens in the
+      band), ``clip_cov_fraction`` (float32, count / N).
+    """
+    cov = centered_cov(logp, advantages, mask)
+    check_interval("ratio", ratio, 0.0, 1.0)
+    check_ordered("omega_low", omega_low, "omega_high", omega_high)
+    keep = mask.astype(bool)
+    num_tokens = jnp.sum(keep, dtype=jnp.int32)
+    candidate = keep & (cov >= omega_low) & (cov <= omega_high)
+    # Uniform draws sort the candidates in a random order; the others go last.
+    draw = jax.random.uniform(key, cov.shape)
+    rank = _rank(jnp.where(candidate, draw, 2.0).reshape(-1)).reshape(cov.shape)
+    detach = candidate & (rank < _floor_fraction_of(num_tokens, ratio))
+    count = jnp.sum(detach, dtype=jnp.int32)
+    return detach, {
+        "clip_cov_count": count,
+        "clip_cov_candidates": jnp.sum(candidate, dtype=jnp.int32),
+        "clip_cov_fraction": count / jnp.maximum(num_tokens, 1).astype(jnp.float32),
+    }
+
+
+def kl_cov_penalty(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    ratio: float = 2e-3,
+    beta: float = 1.0,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """KL-Cov: ``beta * |logp - old_logp|`` on the top ``floor(ratio * N)`` tokens by ``Cov_i`` (SPEC section 4).
+
+    Selection is deterministic: largest ``Cov_i`` first, ties by position in the
+    flattened ``[B, T]`` batch. The penalty carries gradient through ``logp``
+    and is added to those tokens' per-token loss before aggregation. (verl
+    also drops the PPO clip on the selected tokens; SPEC only adds the term,
+    so that choice is left to the objective.)
+
+    Args:
+      logp: ``[B, T]`` float current logprobs (carries gradient).
+      old_logp: ``[B, T]`` float logprobs at sampling time (detached here).
+      advantages: ``[B, T]`` float token advantages.
+      mask: ``[B, T]`` bool/0-1.
+      ratio: fraction of the ``N`` masked tokens to penalise, in [0, 1].
+      beta: penalty coefficient (>= 0).
+    Returns:
+      ``(penalty [B, T] float32, selected [B, T] bool, metrics)``; metrics:
+      ``kl_cov_count`` (int32), ``kl_cov_fraction`` (float32, count / N).
+    """
+    check_floating("old_logp", old_logp)
+    check_same_shape(logp=logp, old_logp=old_logp)
+    cov = centered_cov(logp, advantages, mask)
+    check_interval("ratio", ratio, 0.0, 1.0)
+    check_positive("beta", beta, allow_zero=True)
+    keep = mask.astype(bool)
+    num_tokens = jnp.sum(keep, dtype=jnp.int32)
+    rank = _rank(jnp.where(keep, -cov, jnp.inf).reshape(-1)).reshape(cov.shape)
+    selected = keep & (rank < _floor_fraction_of(num_tokens, ratio))
+    gap = jnp.abs(logp.astype(jnp.float32) - jax.lax.stop_gradient(old_logp).astype(jnp.float32))
+    penalty = jnp.where(selected, beta * gap, 0.0)
+    count = jnp.sum(selected, dtype=jnp.int32)
+    return penalty, selected, {
+        "kl_cov_count": count,
+        "kl_cov_fraction": count / jnp.maximum(num_tokens, 1).astype(jnp.float32),
+    }
+
+
+# --------------------------------------------------------------------------- #
+# Entropy-performance law
+# --------------------------------------------------------------------------- #
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EntropyLawFit:
+    """Least-squares fit of ``R = -a exp(H) + b`` (SPEC section 4); all float32 scalars.
+
+    ``ceiling = b - a`` is the reward predicted when entropy reaches 0.
+    """
+
+    a: jax.Array
+    b: jax.Array
+    ceiling: jax.Array
+    rmse: jax.Array
+
+
+def fit_entropy_law(entropy: jax.Array, reward: jax.Array) -> EntropyLawFit:
+    """Fits ``R = -a exp(H) + b`` by least squares over training steps (SPEC section 4).
+
+    Ordinary least squares of ``R`` on ``x = exp(H)``: ``a = -cov(x, R) / var(x)``,
+    ``b = mean(R) + a mean(x)``, computed on centred values in float32.
+
+    Args:
+      entropy: ``[S]`` float mean policy entropy per step (fit on early steps).
+      reward: ``[S]`` float mean reward per step.
+    Returns:
+      :class:`EntropyLawFit` with ``a``, ``b``, ``ceiling = b - a`` and the RMSE
+      of the fitted rewards. Needs ``S >= 2`` and entropies that are not all equal
+      (otherwise ``a`` is not identified and comes back NaN).
+    """
+    check_rank("entropy", entropy, 1)
+    check_floating("entropy", entropy)
+    check_floating("reward", reward)
+    check_same_shape(entropy=entropy, reward=reward)
+    if entropy.shape[0] < 2:
+        raise ValueError(
+            f"entropy has {entropy.shape[0]} step(s) but at least 2 are needed to fit a and b")
+    x = jnp.exp(entropy.astype(jnp.float32))
+    r = reward.astype(jnp.float32)
+    x_c, r_c = x - jnp.mean(x), r - jnp.mean(r)
+    a = -jnp.sum(x_c * r_c) / jnp.sum(x_c * x_c)
+    b = jnp.mean(r) + a * jnp.mean(x)
+    rmse = jnp.sqrt(jnp.mean((r - (b - a * x)) ** 2))
+    return EntropyLawFit(a=a, b=b, ceiling=b - a, rmse=rmse)
