@@ -1,0 +1,93 @@
+"""Per-step metrics to TensorBoard event files, a JSONL log and a terminal progress bar.
+
+The JSONL file holds one object per step: ``{"step": k, "<name>": value, ...}``.
+On resume, lines of steps after the restored step are dropped first, so a resumed
+run's log reads exactly like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Mapping
+
+import numpy as np
+
+# What the progress bar shows, when present.
+_BAR_KEYS = ("reward/mean", "entropy", "loss", "time/step")
+
+
+def _scalar(value) -> float | None:
+    try:
+        value = float(np.asarray(value))
+    except (TypeError, ValueError):
+        return None
+    return value
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsLogger:
+    """Writes scalar metrics per step. ``log(step, metrics)``; ``close()`` at the end.
+
+    logdir: folder for ``metrics.jsonl`` and TensorBoard events (``tb/``).
+    start_step: the step training continues from (0 for a fresh run).
+    """
+
+    def __init__(self, logdir: str, total_steps: int, *, start_step: int = 0, progress: bool = True,
+                 tensorboard: bool = True):
+        os.makedirs(logdir, exist_ok=True)
+        self.logdir = logdir
+        self.jsonl_path = os.path.join(logdir, "metrics.jsonl")
+        kept = [row for row in read_jsonl(self.jsonl_path) if row.get("step", 0) <= start_step]
+        with open(self.jsonl_path, "w") as f:
+            for row in kept:
+                f.write(json.dumps(row) + "\n")
+        self._jsonl = open(self.jsonl_path, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(logdir, "tb"), purge_step=start_step + 1 if start_step else None)
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: Mapping[str, object]) -> dict:
+        """Writes finite scalar metrics of ``step``; returns the row written."""
+        row = {"step": int(step)}
+        for name, value in sorted(metrics.items()):
+            scalar = _scalar(value)
+            if scalar is None:
+                continue
+            row[name] = scalar if math.isfinite(scalar) else None
+            if self._tb is not None and math.isfinite(scalar):
+                self._tb.add_scalar(name, scalar, global_step=step)
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix({k.split("/")[0]: f"{row[k]:.3g}" for k in _BAR_KEYS if row.get(k) is not None})
+        return row
+
+    def write(self, message: str) -> None:
+        """A line on the terminal that does not break the progress bar."""
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,41 @@
+"""Metrics log (JSONL + TensorBoard), resume truncation, and the end-of-run plots."""
+
+import glob
+import json
+import os
+
+import numpy as np
+
+from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
+from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
+
+
+def test_jsonl_tensorboard_and_resume_truncation(tmp_path):
+    logger = MetricsLogger(str(tmp_path), total_steps=4, progress=False)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": step / 10, "bad": float("nan"), "text": "skip me"})
+    logger.close()
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert rows == [{"step": s, "reward/mean": s / 10, "bad": None} for s in (1, 2, 3)]
+    assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    # Resuming from step 2: step 3's line is dropped before new lines are appended.
+    logger = MetricsLogger(str(tmp_path), total_steps=4, start_step=2, progress=False, tensorboard=False)
+    logger.log(3, {"reward/mean": 0.9})
+    logger.close()
+    assert [r["reward/mean"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [0.1, 0.2, 0.9]
+
+
+def test_plots_and_entropy_law_ceiling(tmp_path):
+    # Synthetic run obeying R = -a exp(H) + b with a = 0.5, b = 1.5: ceiling b - a = 1.0.
+    entropy = np.linspace(1.0, 0.2, 20)
+    rows = [{"step": i + 1, "entropy": float(h), "reward/mean": float(1.5 - 0.5 * np.exp(h)),
+             "mismatch/k3": 1e-6, "heldout/reward": 0.5} for i, h in enumerate(entropy)]
+    fit = fit_run_entropy_law(rows)
+    assert abs(fit["a"] - 0.5) < 1e-4 and abs(fit["ceiling"] - 1.0) < 1e-4 and fit["fit_steps"] == 10
+    assert fit_run_entropy_law(rows[:1]) is None
+    paths = plot_run(rows, str(tmp_path / "plots"))
+    assert set(paths) == {"reward", "entropy", "mismatch", "entropy_law"}
+    for path in paths.values():
+        assert os.path.getsize(path) > 1000
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
