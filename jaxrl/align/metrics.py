@@ -1,0 +1,201 @@
+"""Mismatch metrics of SPEC section 5 over an ``AlignmentBatch``: overall, per
+rollout-probability bucket, per turn; the JSON report and the text summary.
+
+Conventions: per model token ``log_r = learner_logp - rollout_logp`` (learner
+minus rollout). Only tokens with ``model_mask`` count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from jaxrl.align.dump import AlignmentBatch
+
+# Decades from 1e-8 to 1, plus everything below 1e-8 (SPEC: "log-spaced bins down to 1e-8").
+DEFAULT_BUCKET_EDGES: tuple[float, ...] = (0.0,) + tuple(10.0 ** e for e in range(-8, 1))
+DEFAULT_RATIO_BAND: tuple[float, float] = (0.5, 2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenView:
+    """Flattened model tokens: rollout/learner logprobs [N] float64, turn [N], sequence index [N]."""
+
+    rollout: np.ndarray
+    learner: np.ndarray
+    turns: np.ndarray
+    sequence: np.ndarray
+
+
+def _require_learner(batch: AlignmentBatch) -> np.ndarray:
+    if batch.learner_logprobs is None:
+        raise ValueError(
+            "the batch has no learner_logprobs; score it with the learner first "
+            "(jaxrl.align.check.score_with_learner) or dump batches after the recompute"
+        )
+    return batch.learner_logprobs
+
+
+def token_view(batch: AlignmentBatch) -> TokenView:
+    learner = _require_learner(batch)
+    mask = batch.model_mask
+    rows = np.broadcast_to(np.arange(batch.num_sequences)[:, None], mask.shape)
+    return TokenView(
+        rollout=batch.rollout_logprobs[mask].astype(np.float64),
+        learner=learner[mask].astype(np.float64),
+        turns=batch.turn_ids[mask],
+        sequence=rows[mask],
+    )
+
+
+def _select(view: TokenView, keep: np.ndarray) -> TokenView:
+    return TokenView(view.rollout[keep], view.learner[keep], view.turns[keep], view.sequence[keep])
+
+
+def _per_sequence_means(view: TokenView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sequence present in ``view``: mean rollout logp, mean learner logp, sum of log_r."""
+    seqs, inverse, counts = np.unique(view.sequence, return_inverse=True, return_counts=True)
+    del seqs
+    roll = np.bincount(inverse, view.rollout) / counts
+    learn = np.bincount(inverse, view.learner) / counts
+    log_r_sum = np.bincount(inverse, view.learner - view.rollout)
+    return roll, learn, log_r_sum
+
+
+def sequence_log_ppl(batch: AlignmentBatch, first_turn: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sequence log-perplexity ``-mean_t logp`` (rollout, learner) over model tokens.
+
+    ``first_turn`` True/False restricts each sequence to its first / later model turns.
+    """
+    view = token_view(batch)
+    if first_turn is not None:
+        view = _select(view, view.turns == 0 if first_turn else view.turns > 0)
+    if view.rollout.size == 0:
+        return np.zeros(0), np.zeros(0)
+    roll, learn, _ = _per_sequence_means(view)
+    return -roll, -learn
+
+
+def _pearson(x: np.ndarray, y: np.ndarray) -> float:
+    if x.size < 2 or np.std(x) == 0 or np.std(y) == 0:
+        # Undefined (constant input): report NaN rather than a made-up value.
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def group_metrics(view: TokenView, ratio_band: tuple[float, float] = DEFAULT_RATIO_BAND,
+                  sequence_level: bool = True) -> dict[str, float]:
+    """Every SPEC section 5 statistic over the tokens of ``view``.
+
+    k1 = mean(-log_r), k2 = mean(log_r^2 / 2), k3 = mean(exp(log_r) - log_r - 1)
+    estimate KL(rollout || learner) from rollout samples (k3 is the blog's vllm-kl);
+    chi2_token = mean(exp(log_r)^2) - 1; chi2_sequence = mean_seq(exp(sum_t log_r)^2) - 1.
+    """
+    n = view.rollout.size
+    out: dict[str, float] = {"n_tokens": int(n)}
+    if n == 0:
+        return out
+    log_r = view.learner - view.rollout
+    ratio = np.exp(log_r)
+    p_roll, p_learn = np.exp(view.rollout), np.exp(view.learner)
+    lo, hi = ratio_band
+    out.update(
+        k1=float(np.mean(-log_r)),
+        k2=float(np.mean(0.5 * log_r**2)),
+        k3=float(np.mean(ratio - log_r - 1.0)),
+        mean_log_ratio=float(np.mean(log_r)),
+        mean_abs_log_ratio=float(np.mean(np.abs(log_r))),
+        max_abs_log_ratio=float(np.max(np.abs(log_r))),
+        mean_abs_prob_diff=float(np.mean(np.abs(p_learn - p_roll))),
+        max_abs_prob_diff=float(np.max(np.abs(p_learn - p_roll))),
+        pearson_prob=_pearson(p_roll, p_learn),
+        chi2_token=float(np.mean(ratio**2) - 1.0),
+        frac_outside_ratio_band=float(np.mean((ratio < lo) | (ratio > hi))),
+    )
+    if sequence_level:
+        roll, learn, log_r_sum = _per_sequence_means(view)
+        log_ppl_diff = (-learn) - (-roll)
+        with np.errstate(over="ignore"):
+            out.update(
+                n_sequences=int(roll.size),
+                rollout_ppl=float(np.mean(np.exp(-roll))),
+                learner_ppl=float(np.mean(np.exp(-learn))),
+                rollout_log_ppl=float(np.mean(-roll)),
+                learner_log_ppl=float(np.mean(-learn)),
+                mean_log_ppl_diff=float(np.mean(log_ppl_diff)),
+                max_abs_log_ppl_diff=float(np.max(np.abs(log_ppl_diff))),
+                chi2_sequence=float(np.mean(np.exp(2.0 * log_r_sum)) - 1.0),
+            )
+    return out
+
+
+def bucket_metrics(view: TokenView, edges=DEFAULT_BUCKET_EDGES,
+                   ratio_band: tuple[float, float] = DEFAULT_RATIO_BAND) -> list[dict[str, Any]]:
+    """Token statistics per rollout-probability bucket ``[lo, hi)`` (the last one includes 1)."""
+    edges = tuple(float(e) for e in edges)
+    if list(edges) != sorted(edges) or edges[0] < 0 or edges[-1] > 1:
+        raise ValueError(f"bucket edges must be increasing probabilities in [0, 1], got {edges}")
+    prob = np.exp(view.rollout)
+    rows = []
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        last = i == len(edges) - 2
+        keep = (prob >= lo) & ((prob <= hi) if last else (prob < hi))
+        rows.append({"low": lo, "high": hi,
+                     **group_metrics(_select(view, keep), ratio_band, sequence_level=False)})
+    return rows
+
+
+def build_report(batch: AlignmentBatch, *, edges=DEFAULT_BUCKET_EDGES,
+                 ratio_band: tuple[float, float] = DEFAULT_RATIO_BAND) -> dict[str, Any]:
+    """The checker's report: overall, per bucket, per turn (first vs later model turns)."""
+    lo, hi = (float(x) for x in ratio_band)
+    if not 0 < lo <= 1 <= hi:
+        raise ValueError(f"ratio_band must satisfy 0 < low <= 1 <= high, got {ratio_band}")
+    view = token_view(batch)
+    if view.rollout.size == 0:
+        raise ValueError("the batch has no model tokens (model_mask is all 0); nothing to compare")
+    return {
+        "meta": dict(batch.meta),
+        "ratio_band": [lo, hi],
+        "overall": group_metrics(view, (lo, hi)),
+        "buckets": bucket_metrics(view, edges, (lo, hi)),
+        "turns": {
+            "first": group_metrics(_select(view, view.turns == 0), (lo, hi)),
+            "later": group_metrics(_select(view, view.turns > 0), (lo, hi)),
+        },
+    }
+
+
+def _fmt(x: float) -> str:
+    if isinstance(x, int):
+        return str(x)
+    return "nan" if math.isnan(x) else f"{x:.3g}"
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    """A short human-readable summary of ``build_report``'s output."""
+    o = report["overall"]
+    lo, hi = report["ratio_band"]
+    lines = [
+        f"alignment: {o['n_tokens']} model tokens in {o['n_sequences']} sequences"
+        + (f" (weights {report['meta']['weight_version']})" if "weight_version" in report["meta"] else ""),
+        f"  k3 (vllm-kl) {_fmt(o['k3'])}   k1 {_fmt(o['k1'])}   k2 {_fmt(o['k2'])}",
+        f"  |log ratio| mean {_fmt(o['mean_abs_log_ratio'])} max {_fmt(o['max_abs_log_ratio'])}   "
+        f"|prob diff| mean {_fmt(o['mean_abs_prob_diff'])}   pearson {_fmt(o['pearson_prob'])}",
+        f"  ppl rollout {_fmt(o['rollout_ppl'])} learner {_fmt(o['learner_ppl'])}   "
+        f"chi2 token {_fmt(o['chi2_token'])} sequence {_fmt(o['chi2_sequence'])}",
+        f"  tokens with ratio outside [{lo:g}, {hi:g}]: {_fmt(o['frac_outside_ratio_band'])}",
+        "  by rollout probability:",
+    ]
+    for row in report["buckets"]:
+        if row["n_tokens"]:
+            lines.append(f"    [{row['low']:.0e}, {row['high']:.0e}): {row['n_tokens']:7d} tokens  "
+                         f"k3 {_fmt(row['k3'])}  max |log ratio| {_fmt(row['max_abs_log_ratio'])}")
+    for name, g in report["turns"].items():
+        if g["n_tokens"]:
+            lines.append(f"  {name} turn(s): {g['n_tokens']} tokens  k3 {_fmt(g['k3'])}  "
+                         f"max |log ratio| {_fmt(g['max_abs_log_ratio'])}")
+    return "\n".join(lines)
