@@ -35,7 +35,7 @@ def _add_gate_options(p: argparse.ArgumentParser) -> None:
 
 def _gate_from_args(args) -> Gate | None:
     limits = {}
-    for name, value in (("k3", args.max_k3), ("max_abs_log_ratio", args.max_abs_log_ratio),
+    for name, value in (("k3", args.max_k3), ("abs_log_ratio_max", args.max_abs_log_ratio),
                         ("frac_outside_ratio_band", args.max_frac_outside_band)):
         if value is not None:
             limits[name] = value

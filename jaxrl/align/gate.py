@@ -1,6 +1,6 @@
 """The alignment gate: upper limits on report metrics, for CI and the trainer's batch filter.
 
-``Gate(limits={"k3": 1e-3, "max_abs_log_ratio": 0.5})`` passes a report when
+``Gate(limits={"k3": 1e-3, "abs_log_ratio_max": 0.5})`` passes a report when
 every named metric of ``report["overall"]`` is at most its limit. A NaN metric
 fails (it means the comparison itself is broken). ``jaxrl align`` exits 1 when
 the gate fails.
@@ -15,9 +15,9 @@ from typing import Any, Mapping
 # Metrics a limit may name: the "overall" entries of jaxrl.align.metrics.build_report
 # where larger means worse.
 GATEABLE = (
-    "k1", "k2", "k3", "mean_abs_log_ratio", "max_abs_log_ratio", "mean_abs_prob_diff",
-    "max_abs_prob_diff", "chi2_token", "chi2_sequence", "frac_outside_ratio_band",
-    "max_abs_log_ppl_diff",
+    "k1", "k2", "k3", "abs_log_ratio_mean", "abs_log_ratio_max", "prob_diff_mean",
+    "prob_diff_max", "chi2_token", "chi2_seq", "frac_outside_ratio_band",
+    "log_ppl_abs_diff_max",
 )
 
 

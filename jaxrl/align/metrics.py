@@ -2,7 +2,18 @@
 rollout-probability bucket, per turn; the JSON report and the text summary.
 
 Conventions: per model token ``log_r = learner_logp - rollout_logp`` (learner
-minus rollout). Only tokens with ``model_mask`` count.
+minus rollout). Only tokens with ``model_mask`` count. The statistics and their
+names are those of ``jaxrl.losses.mismatch`` (the trainer logs the same keys
+with a ``mismatch_`` prefix), plus the signed mean log-ratio, the max |prob
+diff|, the mean log-perplexities and the fraction of tokens outside a ratio band.
+
+Why a float64 NumPy version beside the jittable float32 one in
+``jaxrl.losses.mismatch``: the checker exists to measure small mismatches, and
+``k3 = exp(x) - 1 - x`` cancels catastrophically in float32 (absolute error
+about 6e-8 whatever ``x``, while k3 is about ``x^2 / 2``: at ``|x| = 1e-4``
+float32 k3 is pure rounding noise). In float64 the same formula is exact to
+about 2e-16 / |x| relative, enough down to the float32 logprob resolution.
+tests/align/test_metrics.py checks both versions agree where float32 can.
 """
 
 from __future__ import annotations
@@ -14,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from jaxrl.align.dump import AlignmentBatch
+from jaxrl.losses.mismatch import DEFAULT_PROB_EDGES
 
 # Decades from 1e-8 to 1, plus everything below 1e-8 (SPEC: "log-spaced bins down to 1e-8").
-DEFAULT_BUCKET_EDGES: tuple[float, ...] = (0.0,) + tuple(10.0 ** e for e in range(-8, 1))
+DEFAULT_BUCKET_EDGES: tuple[float, ...] = DEFAULT_PROB_EDGES
 DEFAULT_RATIO_BAND: tuple[float, float] = (0.5, 2.0)
 
 
@@ -92,10 +104,10 @@ def group_metrics(view: TokenView, ratio_band: tuple[float, float] = DEFAULT_RAT
 
     k1 = mean(-log_r), k2 = mean(log_r^2 / 2), k3 = mean(exp(log_r) - log_r - 1)
     estimate KL(rollout || learner) from rollout samples (k3 is the blog's vllm-kl);
-    chi2_token = mean(exp(log_r)^2) - 1; chi2_sequence = mean_seq(exp(sum_t log_r)^2) - 1.
+    chi2_token = mean(exp(log_r)^2) - 1; chi2_seq = mean_seq(exp(sum_t log_r)^2) - 1.
     """
     n = view.rollout.size
-    out: dict[str, float] = {"n_tokens": int(n)}
+    out: dict[str, float] = {"num_tokens": int(n)}
     if n == 0:
         return out
     log_r = view.learner - view.rollout
@@ -106,12 +118,12 @@ def group_metrics(view: TokenView, ratio_band: tuple[float, float] = DEFAULT_RAT
         k1=float(np.mean(-log_r)),
         k2=float(np.mean(0.5 * log_r**2)),
         k3=float(np.mean(ratio - log_r - 1.0)),
-        mean_log_ratio=float(np.mean(log_r)),
-        mean_abs_log_ratio=float(np.mean(np.abs(log_r))),
-        max_abs_log_ratio=float(np.max(np.abs(log_r))),
-        mean_abs_prob_diff=float(np.mean(np.abs(p_learn - p_roll))),
-        max_abs_prob_diff=float(np.max(np.abs(p_learn - p_roll))),
-        pearson_prob=_pearson(p_roll, p_learn),
+        log_ratio_mean=float(np.mean(log_r)),
+        abs_log_ratio_mean=float(np.mean(np.abs(log_r))),
+        abs_log_ratio_max=float(np.max(np.abs(log_r))),
+        prob_diff_mean=float(np.mean(np.abs(p_learn - p_roll))),
+        prob_diff_max=float(np.max(np.abs(p_learn - p_roll))),
+        prob_pearson=_pearson(p_roll, p_learn),
         chi2_token=float(np.mean(ratio**2) - 1.0),
         frac_outside_ratio_band=float(np.mean((ratio < lo) | (ratio > hi))),
     )
@@ -120,14 +132,14 @@ def group_metrics(view: TokenView, ratio_band: tuple[float, float] = DEFAULT_RAT
         log_ppl_diff = (-learn) - (-roll)
         with np.errstate(over="ignore"):
             out.update(
-                n_sequences=int(roll.size),
-                rollout_ppl=float(np.mean(np.exp(-roll))),
-                learner_ppl=float(np.mean(np.exp(-learn))),
-                rollout_log_ppl=float(np.mean(-roll)),
-                learner_log_ppl=float(np.mean(-learn)),
-                mean_log_ppl_diff=float(np.mean(log_ppl_diff)),
-                max_abs_log_ppl_diff=float(np.max(np.abs(log_ppl_diff))),
-                chi2_sequence=float(np.mean(np.exp(2.0 * log_r_sum)) - 1.0),
+                num_seqs=int(roll.size),
+                ppl_rollout=float(np.mean(np.exp(-roll))),
+                ppl_learner=float(np.mean(np.exp(-learn))),
+                log_ppl_rollout=float(np.mean(-roll)),
+                log_ppl_learner=float(np.mean(-learn)),
+                log_ppl_diff=float(np.mean(log_ppl_diff)),
+                log_ppl_abs_diff_max=float(np.max(np.abs(log_ppl_diff))),
+                chi2_seq=float(np.mean(np.exp(2.0 * log_r_sum)) - 1.0),
             )
     return out
 
@@ -180,22 +192,22 @@ def format_summary(report: dict[str, Any]) -> str:
     o = report["overall"]
     lo, hi = report["ratio_band"]
     lines = [
-        f"alignment: {o['n_tokens']} model tokens in {o['n_sequences']} sequences"
+        f"alignment: {o['num_tokens']} model tokens in {o['num_seqs']} sequences"
         + (f" (weights {report['meta']['weight_version']})" if "weight_version" in report["meta"] else ""),
         f"  k3 (vllm-kl) {_fmt(o['k3'])}   k1 {_fmt(o['k1'])}   k2 {_fmt(o['k2'])}",
-        f"  |log ratio| mean {_fmt(o['mean_abs_log_ratio'])} max {_fmt(o['max_abs_log_ratio'])}   "
-        f"|prob diff| mean {_fmt(o['mean_abs_prob_diff'])}   pearson {_fmt(o['pearson_prob'])}",
-        f"  ppl rollout {_fmt(o['rollout_ppl'])} learner {_fmt(o['learner_ppl'])}   "
-        f"chi2 token {_fmt(o['chi2_token'])} sequence {_fmt(o['chi2_sequence'])}",
+        f"  |log ratio| mean {_fmt(o['abs_log_ratio_mean'])} max {_fmt(o['abs_log_ratio_max'])}   "
+        f"|prob diff| mean {_fmt(o['prob_diff_mean'])}   pearson {_fmt(o['prob_pearson'])}",
+        f"  ppl rollout {_fmt(o['ppl_rollout'])} learner {_fmt(o['ppl_learner'])}   "
+        f"chi2 token {_fmt(o['chi2_token'])} sequence {_fmt(o['chi2_seq'])}",
         f"  tokens with ratio outside [{lo:g}, {hi:g}]: {_fmt(o['frac_outside_ratio_band'])}",
         "  by rollout probability:",
     ]
     for row in report["buckets"]:
-        if row["n_tokens"]:
-            lines.append(f"    [{row['low']:.0e}, {row['high']:.0e}): {row['n_tokens']:7d} tokens  "
-                         f"k3 {_fmt(row['k3'])}  max |log ratio| {_fmt(row['max_abs_log_ratio'])}")
+        if row["num_tokens"]:
+            lines.append(f"    [{row['low']:.0e}, {row['high']:.0e}): {row['num_tokens']:7d} tokens  "
+                         f"k3 {_fmt(row['k3'])}  max |log ratio| {_fmt(row['abs_log_ratio_max'])}")
     for name, g in report["turns"].items():
-        if g["n_tokens"]:
-            lines.append(f"  {name} turn(s): {g['n_tokens']} tokens  k3 {_fmt(g['k3'])}  "
-                         f"max |log ratio| {_fmt(g['max_abs_log_ratio'])}")
+        if g["num_tokens"]:
+            lines.append(f"  {name} turn(s): {g['num_tokens']} tokens  k3 {_fmt(g['k3'])}  "
+                         f"max |log ratio| {_fmt(g['abs_log_ratio_max'])}")
     return "\n".join(lines)

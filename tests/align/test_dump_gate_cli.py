@@ -89,7 +89,7 @@ def test_gate_passes_below_and_fails_above():
     k3 = 0.9 - 1 - math.log(0.9)
     assert report["overall"]["k3"] == pytest.approx(k3, rel=1e-4)
     assert Gate({"k3": 0.006}).check(report).passed
-    failed = Gate({"k3": 0.005, "max_abs_log_ratio": 1.0}).check(report)
+    failed = Gate({"k3": 0.005, "abs_log_ratio_max": 1.0}).check(report)
     assert not failed.passed and len(failed.failures) == 1 and "k3" in failed.failures[0]
     with pytest.raises(ValueError, match="unknown metric 'kk3'"):
         Gate({"kk3": 1.0})
@@ -101,8 +101,8 @@ def test_cli_exit_codes_and_files(tmp_path):
     out = tmp_path / "out"
     assert main(["report", str(dump), "--out", str(out), "--max-k3", "0.006"]) == 0
     assert main(["report", str(dump), "--out", str(out), "--max-k3", "0.005", "--no-figures"]) == 1
-    assert main(["report", str(dump), "--out", str(out), "--limit", "max_abs_log_ratio=0.2"]) == 0
-    assert main(["report", str(dump), "--out", str(out), "--limit", "max_abs_log_ratio=0.1"]) == 1
+    assert main(["report", str(dump), "--out", str(out), "--limit", "abs_log_ratio_max=0.2"]) == 0
+    assert main(["report", str(dump), "--out", str(out), "--limit", "abs_log_ratio_max=0.1"]) == 1
     assert main(["report", str(tmp_path / "missing.npz"), "--out", str(out)]) == 2
     assert (out / "report.json").stat().st_size > 0 and "k3" in (out / "summary.txt").read_text()
 
