@@ -294,7 +294,7 @@ def _warn_before_join_timeout(config: DistributedConfig, address: str) -> thread
     def warn():
         print(
             f"jaxrl.distributed: still waiting for {expected} processes to join the coordinator at {address} "
-            f"after {0.9 * config.timeout_s:g} s; JAX stops this process at {config.timeout_s} s. Check that "
+            f"after {0.9 * config.timeout_s:g} s (timeout {config.timeout_s} s); JAX will stop this process. Check that "
             f"{expected} processes were launched (--num-processes / {ENV_NUM_PROCESSES} must equal the number "
             f"launched) and that each has a distinct --process-id / {ENV_PROCESS_ID}.",
             file=sys.stderr,
