@@ -18,7 +18,11 @@ With several processes there is one global mesh over every process's
 devices: ``jax.devices()`` lists them all, so the mesh built from a config on
 one host is built from the same config on a pod (:func:`check_mesh` says which
 value to change when it does not fit). Each process feeds only its own rows of
-a global batch (:func:`process_rows`, :func:`global_batch`); logs and plots
+a global batch (:func:`process_rows`, :func:`global_batch`) and reads
+results back with :func:`to_host` (plain ``np.asarray`` fails on an array
+spread over several processes; plain numpy inputs to a sharded ``jit`` are
+refused: use ``jax.device_put(x, sharding)`` with the same value everywhere or
+:func:`global_batch`); logs and plots
 come from process 0 (:func:`is_main_process`, :func:`main_process_only`); a
 failure in one process stops all of them with that process's error
 (:func:`stop_all_on_failure`).
@@ -490,6 +494,23 @@ def global_batch(shardings: Any, local_batch: Any, global_batch_size: int) -> An
             )
         arrays.append(jax.make_array_from_process_local_data(sharding, leaf, global_shape))
     return treedef.unflatten(arrays)
+
+
+def to_host(tree: Any) -> Any:
+    """The full value of every array in ``tree`` as numpy, on every process.
+
+    ``np.asarray`` works only on arrays this process holds entirely (or fully
+    replicated ones); a global array sharded over several processes is
+    gathered from all of them (a collective: every process must call this).
+    """
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    def fetch(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(fetch, tree)
 
 
 def is_main_process() -> bool:

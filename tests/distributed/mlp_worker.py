@@ -96,8 +96,6 @@ def main(argv: list[str]) -> int:
     info, rest = distributed.initialize_from_argv(argv[2:])
     if rest:
         raise SystemExit(f"unexpected arguments {rest}")
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
     with distributed.stop_all_on_failure():
         if mode == "join":
             print(json.dumps({"process_index": info.process_index, "device_count": info.device_count}))
@@ -115,8 +113,7 @@ def main(argv: list[str]) -> int:
             print(f"process {info.process_index} finished a collective without the failed process:", float(total))
             return 0
         params, x, losses = train(mesh)
-        gathered = {name: multihost_utils.process_allgather(value, tiled=True) for name, value in params.items()}
-        x_gathered = multihost_utils.process_allgather(x, tiled=True)
+        gathered, x_gathered = distributed.to_host((params, x))
         save_checkpoint(os.path.join(out_dir, "ckpt"), params)
 
         @distributed.main_process_only

@@ -88,6 +88,7 @@ def test_process_rows_and_global_batch_in_one_process():
     batch = distributed.global_batch(sharding, {"x": x}, 6)
     np.testing.assert_array_equal(np.asarray(batch["x"]), x)
     assert batch["x"].sharding == sharding
+    np.testing.assert_array_equal(distributed.to_host(batch)["x"], x)
     with pytest.raises(ValueError, match="process 0 supplied 4 rows of a global batch of 6, but its devices hold 6"):
         distributed.global_batch(sharding, {"x": x[:4]}, 6)
 
