@@ -177,6 +177,9 @@ def kl_off_policy_token_loss(
     the gradient is taken at) and sent through the same importance ratio and
     clip as the reward term: ``policy_loss`` with advantage ``-c'``. At ratio 1
     its gradient equals the on-policy as-loss gradient ``c' grad log pi``.
+    The coefficient differs from token to token, so "gspo" runs as
+    "gspo-token" here: the same sequence ratio and clip, with each token's
+    gradient through its own log-probability.
 
     Args: kind in ``KL_REGULARIZERS`` (k1-in-reward gives k2's coefficient);
       logp float ``[B, T]`` (carries gradient); old_logp, ref_logp float
@@ -190,6 +193,7 @@ def kl_off_policy_token_loss(
         warnings.warn(K1_AS_LOSS_WARNING, stacklevel=2)
     live = jnp.asarray(mask).astype(bool)
     coefficient = kl_coefficient(kind, jnp.where(live, logp, 0.0), jnp.where(live, ref_logp, 0.0))
+    policy_loss = "gspo-token" if policy_loss == "gspo" else policy_loss
     return policy.policy_token_loss(
         policy_loss, logp, old_logp, -coefficient, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip
     )

@@ -46,7 +46,7 @@ def masked_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
     return jnp.where(live, diff, 0.0)
 
 
-def sequence_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
+def gspo_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
     """GSPO ``log s_i = mean_t(logp - old_logp)`` over masked tokens (SPEC 2).
 
     Args: ``logp``, ``old_logp`` float ``[B, T]``; ``mask`` ``[B, T]``.
@@ -141,7 +141,7 @@ def gspo_token_loss(
     """
     _check_token_inputs(logp, old_logp, advantages, mask)
     _check_clip_args(eps_low, eps_high, dual_clip)
-    seq_log_ratio = sequence_log_ratio(logp, jax.lax.stop_gradient(old_logp), mask)[:, None]
+    seq_log_ratio = gspo_log_ratio(logp, jax.lax.stop_gradient(old_logp), mask)[:, None]
     if token_gradient:
         logp32 = jnp.asarray(logp, jnp.float32)
         own = masked_log_ratio(logp32, jax.lax.stop_gradient(logp32), mask)

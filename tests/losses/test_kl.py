@@ -113,7 +113,7 @@ def test_minimax_coefficient_is_bounded_and_its_expected_gradient_is_the_mse_gra
 
 
 @pytest.mark.parametrize("kind", kl.AS_LOSS_KINDS)
-@pytest.mark.parametrize("policy_loss", ["ppo", "gspo-token"])
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
 def test_off_policy_kl_gradient_equals_on_policy_gradient_at_ratio_one(kind, policy_loss):
     rng = np.random.default_rng(1)
     logp = jnp.asarray(np.log(rng.uniform(0.01, 1, size=(3, 4))), jnp.float32)

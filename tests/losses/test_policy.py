@@ -64,7 +64,7 @@ def test_gspo_ratio_is_geometric_mean_of_token_ratios():
     logp, old, adv, mask = _batch(1)
     token_ratio = np.exp(np.asarray(logp) - np.asarray(old))
     m = np.asarray(mask).astype(bool)
-    got = np.exp(np.asarray(policy.sequence_log_ratio(logp, old, mask)))
+    got = np.exp(np.asarray(policy.gspo_log_ratio(logp, old, mask)))
     for b in range(B):
         if m[b].any():
             np.testing.assert_allclose(got[b], np.prod(token_ratio[b][m[b]]) ** (1 / m[b].sum()), rtol=1e-5)

@@ -1,0 +1,285 @@
+"""The full RL objective from a typed config: the one function the trainer calls.
+
+``rl_objective`` composes, per micro-batch,
+
+    loss = agg(w * pg_t [+ kl_cov_t]) + kl_coef * agg(kl_t) + agg(-entropy_coef * H_t)
+
+where ``pg_t`` is the policy surrogate (PPO / GSPO / GSPO-token, SPEC 2) with
+Clip-Cov's tokens detached (SPEC 4), ``w`` the detached mismatch correction
+(SPEC 5), ``kl_t`` the KL regulariser (SPEC 3; as-loss kinds go through the
+appendix-G off-policy form by default), and every ``agg`` the same aggregation
+mode and global normaliser (SPEC 2), so that summing the losses of the
+micro-batches of one batch gives the full-batch loss and gradient. (Clip-Cov
+and KL-Cov select tokens by batch statistics, so with them the split matters:
+pass whole batches or accept the per-micro-batch selection.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.losses import _validate, entropy as entropy_lib, kl as kl_lib, mismatch, policy
+
+Array = jax.Array
+
+KL_KINDS = ("none",) + kl_lib.KL_REGULARIZERS
+ENTROPY_CONTROLS = ("none", "clip-cov", "kl-cov")
+# "icepop" is token MIS under the name of the Ring-1T paper: the same two-sided band.
+MISMATCH_CORRECTIONS = ("none", "token-tis", "seq-tis", "token-mis", "icepop", "seq-mis", "geo-rs")
+BATCH_FILTER_METRICS = mismatch._FILTER_METRICS
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """What :func:`rl_objective` computes. Validated on construction; errors name the field.
+
+    Fields (defaults in brackets):
+      policy_loss ["ppo"]: "ppo" | "gspo" | "gspo-token" (SPEC 2).
+      eps_low, eps_high [0.2, 0.28]: clip range (DAPO clip-higher); GSPO wants
+        ~3e-4 / 4e-4. dual_clip [None]: c > 1 for A < 0.
+      aggregation ["token-mean"]: one of ``policy.AGGREGATION_MODES``; the
+        caller computes ``normalizer`` with ``losses.loss_normalizer`` on the
+        global batch for this mode.
+      kl_kind ["none"], kl_coef [0.0]: KL regulariser (SPEC 3). "k1-in-reward"
+        adds nothing to the loss: fold it into the rewards with
+        ``losses.kl_in_reward`` before the advantages (see
+        ``kl_in_reward_coef``). "k1-as-loss" is allowed but warns.
+      kl_off_policy_correction [True]: send as-loss kinds through the policy
+        ratio and clip (appendix G); False uses the plain on-policy as-loss.
+      entropy_coef [0.0]: entropy bonus ``-coef * H`` (needs ``entropy``).
+      entropy_control ["none"]: "clip-cov" (clip_cov_ratio 2e-4,
+        clip_cov_omega_low 1, clip_cov_omega_high 5; needs ``key``) or
+        "kl-cov" (kl_cov_ratio 2e-3, kl_cov_beta 1) (SPEC 4 defaults).
+      mismatch_correction ["none"]: "token-tis" / "seq-tis" (cap ``tis_cap`` 2),
+        "token-mis" = "icepop" (band [1/mis_c_low, mis_c_high] = [0.5, 5]),
+        "seq-mis" (cap ``seq_mis_cap`` 2), "geo-rs" ([geo_rs_lower,
+        geo_rs_upper] = [0.999, 1.001]) (SPEC 5); needs ``rollout_logp``.
+      bypass [False]: use ``rollout_logp`` as ``old_logp`` (Ring-Linear eq. 5);
+        excludes a mismatch correction and the batch filter (no learner/rollout
+        ratio is left).
+      batch_filter_threshold [None]: report ``batch_filter_skip`` when
+        ``batch_filter_metric`` ["mismatch_k3"] exceeds it; the trainer skips
+        the optimizer step (a zero loss is not a skip under Adam).
+    """
+
+    policy_loss: Literal["ppo", "gspo", "gspo-token"] = "ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = None
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_kind: Literal["none", "k1-in-reward", "k2-as-loss", "k3-as-loss", "k1-as-loss", "minimax"] = "none"
+    kl_coef: float = 0.0
+    kl_off_policy_correction: bool = True
+    entropy_coef: float = 0.0
+    entropy_control: Literal["none", "clip-cov", "kl-cov"] = "none"
+    clip_cov_ratio: float = 2e-4
+    clip_cov_omega_low: float = 1.0
+    clip_cov_omega_high: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_beta: float = 1.0
+    mismatch_correction: Literal["none", "token-tis", "seq-tis", "token-mis", "icepop", "seq-mis", "geo-rs"] = "none"
+    tis_cap: float = 2.0
+    mis_c_low: float = 2.0
+    mis_c_high: float = 5.0
+    seq_mis_cap: float = 2.0
+    geo_rs_lower: float = 0.999
+    geo_rs_upper: float = 1.001
+    bypass: bool = False
+    batch_filter_threshold: float | None = None
+    batch_filter_metric: str = "mismatch_k3"
+
+    def __post_init__(self):
+        key = lambda field: f"ObjectiveConfig.{field}"  # noqa: E731
+        _validate.check_choice(key("policy_loss"), self.policy_loss, policy.POLICY_LOSSES)
+        _validate.check_choice(key("aggregation"), self.aggregation, policy.AGGREGATION_MODES)
+        _validate.check_choice(key("kl_kind"), self.kl_kind, KL_KINDS)
+        _validate.check_choice(key("entropy_control"), self.entropy_control, ENTROPY_CONTROLS)
+        _validate.check_choice(key("mismatch_correction"), self.mismatch_correction, MISMATCH_CORRECTIONS)
+        _validate.check_choice(key("batch_filter_metric"), self.batch_filter_metric, BATCH_FILTER_METRICS)
+        for name in ("kl_off_policy_correction", "bypass"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{key(name)}={getattr(self, name)!r} but a bool (true/false) was expected")
+        numbers = [f.name for f in dataclasses.fields(self) if f.type in ("float", "float | None")]
+        for name in numbers:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{key(name)}={value!r} but a number was expected")
+        _validate.check_interval(key("eps_low"), self.eps_low, 0.0, 1.0)
+        for name in ("eps_high", "kl_coef", "entropy_coef", "kl_cov_beta"):
+            _validate.check_positive(key(name), getattr(self, name), allow_zero=True)
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"{key('dual_clip')}={self.dual_clip!r} but a value > 1 (e.g. 3.0) or None was expected")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            _validate.check_interval(key(name), getattr(self, name), 0.0, 1.0)
+        _validate.check_ordered(key("clip_cov_omega_low"), self.clip_cov_omega_low,
+                                key("clip_cov_omega_high"), self.clip_cov_omega_high)
+        for name in ("tis_cap", "mis_c_low", "mis_c_high", "seq_mis_cap", "geo_rs_lower"):
+            _validate.check_positive(key(name), getattr(self, name))
+        _validate.check_ordered(key("1/mis_c_low"), 1.0 / self.mis_c_low, key("mis_c_high"), self.mis_c_high)
+        _validate.check_ordered(key("geo_rs_lower"), self.geo_rs_lower, key("geo_rs_upper"), self.geo_rs_upper)
+        if self.batch_filter_threshold is not None:
+            _validate.check_positive(key("batch_filter_threshold"), self.batch_filter_threshold, allow_zero=True)
+        if self.bypass and (self.mismatch_correction != "none" or self.batch_filter_threshold is not None):
+            raise ValueError(
+                f"{key('bypass')}=True uses rollout_logp as old_logp, so "
+                f"{key('mismatch_correction')}={self.mismatch_correction!r} and "
+                f"{key('batch_filter_threshold')}={self.batch_filter_threshold!r} have no ratio to "
+                "correct or filter; turn bypass off or set them to 'none' / None"
+            )
+        if self.kl_kind == "none" and self.kl_coef > 0:
+            raise ValueError(f"{key('kl_coef')}={self.kl_coef} but {key('kl_kind')}='none'; choose a kl_kind "
+                             f"from {list(kl_lib.KL_REGULARIZERS)} or set kl_coef to 0")
+        if self.kl_kind == "k1-as-loss":
+            warnings.warn(kl_lib.K1_AS_LOSS_WARNING, stacklevel=3)
+
+    @property
+    def kl_in_reward_coef(self) -> float:
+        """The coefficient the trainer passes to ``losses.kl_in_reward`` (0 unless kl_kind is "k1-in-reward")."""
+        return self.kl_coef if self.kl_kind == "k1-in-reward" else 0.0
+
+
+def _masked_mean(x: Array, mask: Array) -> Array:
+    live = jnp.asarray(mask).astype(bool)
+    return jnp.sum(jnp.where(live, jax.lax.stop_gradient(x).astype(jnp.float32), 0.0)) / jnp.maximum(jnp.sum(live), 1)
+
+
+def _mismatch_weight(config: ObjectiveConfig, old_logp, rollout_logp, mask):
+    """Detached per-token weight of the policy term and the correction's metrics (SPEC 5)."""
+    kind = config.mismatch_correction
+    if kind in ("token-tis", "seq-tis"):
+        correct = mismatch.token_tis if kind == "token-tis" else mismatch.sequence_tis
+        weight, _, metrics = correct(old_logp, rollout_logp, mask, cap=config.tis_cap)
+    elif kind in ("token-mis", "icepop"):
+        weight, _, metrics = mismatch.token_mis(old_logp, rollout_logp, mask,
+                                                c_low=config.mis_c_low, c_high=config.mis_c_high)
+    elif kind == "seq-mis":
+        weight, _, metrics = mismatch.sequence_mis(old_logp, rollout_logp, mask, cap=config.seq_mis_cap)
+    else:
+        weight, _, metrics = mismatch.geo_rs(old_logp, rollout_logp, mask,
+                                             lower=config.geo_rs_lower, upper=config.geo_rs_upper)
+    return jax.lax.stop_gradient(weight), metrics
+
+
+def _require(name: str, value, why: str) -> None:
+    if value is None:
+        raise ValueError(f"{name} is None but {why}; pass a [B, T] float array")
+
+
+def rl_objective(
+    config: ObjectiveConfig,
+    logp: Array,
+    old_logp: Array | None,
+    advantages: Array,
+    mask: Array,
+    *,
+    rollout_logp: Array | None = None,
+    ref_logp: Array | None = None,
+    entropy: Array | None = None,
+    normalizer: Array | float,
+    key: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """``loss = agg(w * pg [+ kl_cov]) + kl_coef * agg(kl) - entropy_coef * agg(H)`` (SPEC 2-5, module docstring).
+
+    Args:
+      config: an :class:`ObjectiveConfig`.
+      logp: float ``[B, T]`` current log-probabilities of the sampled tokens (carries gradient).
+      old_logp: float ``[B, T]`` learner log-probabilities at sampling time; may be None with ``bypass``.
+      advantages: float ``[B, T]`` (broadcast sequence advantages with ``losses.broadcast_to_tokens``).
+      mask: ``[B, T]`` 1 on generated tokens.
+      rollout_logp: float ``[B, T]`` rollout-engine log-probabilities; needed by bypass, corrections, batch filter.
+      ref_logp: float ``[B, T]`` reference log-probabilities; needed by as-loss KL kinds.
+      entropy: float ``[B, T]`` token entropy (carries gradient); needed when ``entropy_coef > 0``.
+      normalizer: scalar from ``losses.loss_normalizer(config.aggregation, global_mask)``.
+      key: ``jax.random`` key; needed by "clip-cov".
+    Returns:
+      ``(loss float32 scalar, metrics)``. Summable over micro-batches like the
+      loss: ``policy_loss``, ``kl_loss``, ``entropy_loss``. Means over this
+      call's masked tokens: the policy's clip fractions and ratio stats, ``kl_k1`` and
+      ``kl_k3`` (current vs ref), ``entropy``, and the entropy-control and
+      mismatch-correction fractions; ``batch_filter_skip`` (int32 0/1) when a
+      threshold is set.
+    """
+    if not isinstance(config, ObjectiveConfig):
+        raise ValueError(f"config is a {type(config).__name__} but an ObjectiveConfig was expected")
+    _validate.check_rank("logp", logp, 2)
+    if config.bypass:
+        _require("rollout_logp", rollout_logp, "ObjectiveConfig.bypass=True uses it as old_logp")
+        anchor = rollout_logp
+    else:
+        _require("old_logp", old_logp, "ObjectiveConfig.bypass=False needs the learner's sampling-time logprobs")
+        anchor = old_logp
+    _validate.check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
+                               rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy)
+    mode = config.aggregation
+
+    def aggregate(token_loss):
+        return policy.aggregate_loss(token_loss, mask, mode, normalizer)
+
+    metrics: dict[str, Array] = {}
+    pg_logp = logp
+    if config.entropy_control == "clip-cov":
+        if key is None:
+            raise ValueError("key is None but ObjectiveConfig.entropy_control='clip-cov' selects tokens at "
+                             "random; pass a jax.random key (e.g. jax.random.fold_in(seed_key, step))")
+        detach, cov_metrics = entropy_lib.clip_cov_mask(
+            logp, advantages, mask, key, ratio=config.clip_cov_ratio,
+            omega_low=config.clip_cov_omega_low, omega_high=config.clip_cov_omega_high)
+        pg_logp = jnp.where(detach, jax.lax.stop_gradient(logp), logp)
+        metrics.update(cov_metrics)
+
+    pg_loss, pg_metrics = policy.policy_token_loss(
+        config.policy_loss, pg_logp, anchor, advantages, mask,
+        eps_low=config.eps_low, eps_high=config.eps_high, dual_clip=config.dual_clip)
+    metrics.update(pg_metrics)
+
+    if config.mismatch_correction != "none" or config.batch_filter_threshold is not None:
+        _require("rollout_logp", rollout_logp, "a mismatch correction or batch filter compares it with old_logp")
+    if config.mismatch_correction != "none":
+        weight, correction_metrics = _mismatch_weight(config, anchor, rollout_logp, mask)
+        pg_loss = pg_loss * weight
+        metrics.update(correction_metrics)
+
+    if config.entropy_control == "kl-cov":
+        penalty, _, cov_metrics = entropy_lib.kl_cov_penalty(
+            logp, anchor, advantages, mask, ratio=config.kl_cov_ratio, beta=config.kl_cov_beta)
+        pg_loss = pg_loss + penalty
+        metrics.update(cov_metrics)
+
+    loss = aggregate(pg_loss)
+    metrics["policy_loss"] = loss
+
+    if ref_logp is not None:
+        metrics["kl_k1"] = _masked_mean(kl_lib.kl_k1(logp, ref_logp), mask)
+        metrics["kl_k3"] = _masked_mean(kl_lib.kl_k3(logp, ref_logp), mask)
+    if config.kl_kind in kl_lib.AS_LOSS_KINDS:
+        _require("ref_logp", ref_logp, f"ObjectiveConfig.kl_kind={config.kl_kind!r} regularises towards it")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the config already warned about k1-as-loss once
+            if config.kl_off_policy_correction:
+                kl_tokens, _ = kl_lib.kl_off_policy_token_loss(
+                    config.kl_kind, logp, anchor, ref_logp, mask, policy_loss=config.policy_loss,
+                    eps_low=config.eps_low, eps_high=config.eps_high, dual_clip=config.dual_clip)
+            else:
+                kl_tokens = kl_lib.kl_as_loss(config.kl_kind, logp, ref_logp, mask)
+        kl_loss = aggregate(kl_tokens)
+        metrics["kl_loss"] = kl_loss
+        loss = loss + config.kl_coef * kl_loss
+
+    if config.entropy_coef > 0:
+        _require("entropy", entropy, f"ObjectiveConfig.entropy_coef={config.entropy_coef} needs the token entropy")
+        entropy_loss = aggregate(entropy_lib.entropy_bonus(entropy, mask, coef=config.entropy_coef))
+        metrics["entropy_loss"] = entropy_loss
+        loss = loss + entropy_loss
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy, mask)
+
+    if config.batch_filter_threshold is not None:
+        _, filter_metrics = mismatch.batch_filter(
+            anchor, rollout_logp, mask, threshold=config.batch_filter_threshold, metric=config.batch_filter_metric)
+        metrics.update(filter_metrics)
+    return loss, metrics
