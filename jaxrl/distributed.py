@@ -438,21 +438,19 @@ def check_mesh(
     size = math.prod(mesh_shape.values())
     shape = dict(mesh_shape)
     largest = max(shape, key=shape.get) if shape else None
+    fitting_processes = f", or launch {size // local} processes (--num-processes {size // local})" \
+        if size % local == 0 else ""
     if size > available:
-        hint = f"lower {key}.{largest} (or another {key} axis) so that the axes multiply to {available}"
-        if size % local == 0:
-            hint += f", or launch {size // local} processes (--num-processes {size // local})"
         raise MeshMismatchError(
             f"{key} {shape} needs {size} devices but {processes} process(es) x {local} local devices = "
-            f"{available} are available: {hint}"
+            f"{available} are available: lower {key}.{largest} (or another {key} axis) so that the axes "
+            f"multiply to {available}{fitting_processes}"
         )
     if processes > 1 and size < available:
-        hint = f"raise {key}.{largest} so that the axes multiply to {available}"
-        if size % local == 0:
-            hint += f", or launch {size // local} processes (--num-processes {size // local})"
         raise MeshMismatchError(
             f"{key} {shape} uses {size} of the {available} devices of {processes} processes x {local} local "
-            f"devices; with several processes every device must be in the mesh: {hint}"
+            f"devices; with several processes every device must be in the mesh: raise {key}.{largest} so "
+            f"that the axes multiply to {available}{fitting_processes}"
         )
 
 
