@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 STATE_DTYPE = jnp.float32
 
@@ -72,20 +73,19 @@ def _from_chunks(x: jax.Array, length: int, dtype) -> jax.Array:
     return jnp.moveaxis(x, 1, 2).astype(dtype)
 
 
-def _chunk_decays(g_chunks: jax.Array):
-    """Decays inside each chunk from per-position log-decays `g [B, H, N, C]` (all <= 0).
+def _chunk_decays(cum: jax.Array):
+    """Decays inside each chunk from `cum [B, H, N, C]`, the log-decay (<= 0) accumulated from the
+    chunk's start through position i inclusive.
 
-    Returns `cum [B,H,N,C]` (log decay from chunk start to position i, inclusive),
-    `pairwise [B,H,N,C,C]` = exp(cum_i - cum_j) for j <= i else 0 (computed from the difference,
-    never as a product of exp(cum_i) and exp(-cum_j), which overflows for long chunks), and
-    `to_end [B,H,N,C]` = exp(cum_last - cum_j), the decay from position j to the chunk's end.
+    Returns `pairwise [B,H,N,C,C]` = exp(cum_i - cum_j) for j <= i else 0 (from the difference,
+    never as exp(cum_i) * exp(-cum_j), which overflows for long chunks), and `to_end [B,H,N,C]` =
+    exp(cum_last - cum_j), the decay from position j to the chunk's end.
     """
-    cum = jnp.cumsum(g_chunks, axis=-1)
-    size = g_chunks.shape[-1]
+    size = cum.shape[-1]
     causal = jnp.tril(jnp.ones((size, size), bool))
     pairwise = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     to_end = jnp.exp(cum[..., -1:] - cum)
-    return cum, pairwise, to_end
+    return pairwise, to_end
 
 
 def _check_qkv(q, k, v, gate_name, gate_shape):
@@ -117,9 +117,12 @@ def lightning_attention(
     _check_qkv(q, k, v, "log_decay", (q.shape[0], q.shape[1], log_decay.shape[0]))
     batch, length, heads, key_dim = q.shape
     state0 = _initial_state(initial_state, batch, heads, key_dim, v.shape[-1])
-    g = jnp.broadcast_to(log_decay.astype(jnp.float32), (batch, length, heads))
     qc, kc, vc = (_to_chunks(x, chunk_size) for x in (q, k, v))
-    cum, pairwise, to_end = _chunk_decays(_to_chunks(g, chunk_size))
+    # Constant decay: cum = log_decay * (positions of the chunk up to i that are not padding).
+    chunk_start = np.arange(qc.shape[2])[:, None] * chunk_size
+    steps = np.minimum(np.arange(1, chunk_size + 1)[None, :], length - chunk_start).astype(np.float32)  # [N, C]
+    cum = jnp.broadcast_to(log_decay.astype(jnp.float32)[:, None, None] * steps, qc.shape[:4])
+    pairwise, to_end = _chunk_decays(cum)
 
     intra = jnp.einsum("bhnij,bhnjv->bhniv", jnp.einsum("bhnik,bhnjk->bhnij", qc, kc) * pairwise, vc)
     chunk_update = jnp.einsum("bhnjk,bhnjv->bhnkv", kc * to_end[..., None], vc)
@@ -166,7 +169,8 @@ def gated_delta_rule(
     state0 = _initial_state(initial_state, batch, heads, key_dim, v.shape[-1])
     qc, kc, vc = (_to_chunks(x, chunk_size) for x in (q, k, v))
     betac = _to_chunks(beta, chunk_size)[..., None]
-    cum, pairwise, to_end = _chunk_decays(_to_chunks(g, chunk_size))
+    cum = jnp.cumsum(_to_chunks(g, chunk_size), axis=-1)
+    pairwise, to_end = _chunk_decays(cum)
 
     strictly_lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
     system = jnp.where(strictly_lower, jnp.einsum("bhnik,bhnjk->bhnij", kc * betac, kc) * pairwise, 0.0)

@@ -1,0 +1,197 @@
+"""The decoder: embeddings, per-layer (attention kind, MLP kind) blocks, final RMSNorm, LM head.
+
+Three call paths share one `__call__`:
+- full forward (training, prefill recompute): `model(input_ids, positions, segment_ids)`;
+- decoding: `cache = model.init_cache(B, S)`, then `model(ids, positions, seg, cache=cache)` with
+  T prompt tokens (prefill) and then 1 token per step; each row keeps its own positions, and
+  padding (segment id 0) is never attended, so left/right-padded and ragged batches work;
+- token logprobs and entropy through the chunked LM head (`token_logprobs`), never [B, T, V].
+
+The residual stream is float32 whatever the compute dtype (SPEC section 5).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxrl.losses.entropy import token_logprobs_and_entropy
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.layers import F32, MLP, Attention, MoE, RMSNorm, make_param
+from jaxrl.models.sharding import constrain
+
+# Attention kind (ModelConfig.layer_types entry) -> module class. A kind's class takes
+# (config, *, rngs), has `init_cache(batch, max_len)` and is called as
+# `attn(x, positions=, segment_ids=, cache=, kv_segment_ids=, write_index=) -> (y, cache)`.
+ATTENTION_KINDS: dict[str, type[nnx.Module]] = {"full_attention": Attention}
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
+}
+
+
+class DecodeCache(NamedTuple):
+    """Per-layer caches (layer i's from its attention kind), the segment id of each cache row
+    [B, S] int32 (0 = empty or padding) and the next row to write, per batch row [B] int32."""
+
+    layers: tuple[Any, ...]
+    segment_ids: jax.Array
+    index: jax.Array
+
+
+class DecoderOutput(NamedTuple):
+    """hidden [B, T, D] float32 after the final norm; aux_loss: scalar load-balancing loss
+    (transformers' `load_balancing_loss_func` over all MoE layers, unscaled: multiply by
+    `config.router_aux_loss_coef`; 0 without MoE); cache: updated DecodeCache or None;
+    routed_experts [B, T, num_moe_layers, k] int32 or None; activations: dict or None."""
+
+    hidden: jax.Array
+    aux_loss: jax.Array
+    cache: DecodeCache | None
+    routed_experts: jax.Array | None
+    activations: dict[str, jax.Array] | None
+
+
+class Block(nnx.Module):
+    """Pre-norm block: `h += attn(norm(h)); h += mlp(norm(h))` with a float32 residual."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
+        c, pd = config, config.weight_dtype
+        self.dtype = c.compute_dtype
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs)
+        self.attn = ATTENTION_KINDS[c.layer_types[layer_index]](c, rngs=rngs)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs)
+        self.is_moe = c.mlp_types[layer_index] == "moe"
+        self.mlp = MoE(c, rngs=rngs) if self.is_moe else MLP(c, c.intermediate_size, rngs=rngs)
+
+    def __call__(self, h, positions, segment_ids, cache=None, kv_segment_ids=None, write_index=None):
+        """h: [B, T, D] float32. Returns (h, cache, (attn_out, mlp_out), (router probs, experts) or None)."""
+        attn_out, cache = self.attn(self.input_norm(h).astype(self.dtype), positions=positions,
+                                    segment_ids=segment_ids, cache=cache, kv_segment_ids=kv_segment_ids,
+                                    write_index=write_index)
+        attn_out = checkpoint_name(attn_out, "attention_out")
+        h = h + attn_out
+        mlp_in = self.post_attention_norm(h).astype(self.dtype)
+        routing = None
+        if self.is_moe:
+            mlp_out, probs, experts = self.mlp(mlp_in)
+            routing = (probs, experts)
+        else:
+            mlp_out = self.mlp(mlp_in)
+        h = constrain(h + mlp_out, ("batch", "length", "act_embed"))
+        return h, cache, (attn_out, mlp_out), routing
+
+
+def load_balancing_loss(probs: list[jax.Array], experts: list[jax.Array], mask: jax.Array,
+                        num_experts: int) -> jax.Array:
+    """Switch-style balance loss over all MoE layers, as transformers' `load_balancing_loss_func`:
+    `E * sum_e f_e P_e` with `f_e` = masked top-k assignments to e / masked rows and `P_e` =
+    masked router probability of e / masked rows, both summed over layers before the product.
+
+    probs: per layer [B, T, E] f32; experts: per layer [B, T, k] int; mask: [B, T] bool.
+    """
+    weight = mask.astype(F32)
+    counts = sum(jnp.sum(jax.nn.one_hot(e, num_experts, dtype=F32) * weight[..., None, None], axis=(0, 1, 2))
+                 for e in experts)
+    prob_sums = sum(jnp.sum(p * weight[..., None], axis=(0, 1)) for p in probs)
+    rows = len(probs) * jnp.sum(weight)
+    return num_experts * jnp.sum((counts / rows) * (prob_sums / rows))
+
+
+class Decoder(nnx.Module):
+    """Qwen3 / Qwen3-MoE style decoder configured per layer by `ModelConfig`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c, pd = config, config.weight_dtype
+        self.config = config
+        self.embed = make_param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), pd)
+        self.layers = nnx.List([Block(c, i, rngs=rngs) for i in range(c.num_layers)])
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs)
+        self.lm_head = (None if c.tie_word_embeddings
+                        else make_param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd))
+
+    def lm_head_weight(self) -> jax.Array:
+        """[D, V] unembedding in the parameter dtype (the embedding transposed when tied)."""
+        return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+
+    def init_cache(self, batch: int, max_len: int) -> DecodeCache:
+        """An empty decode cache for `batch` rows of at most `max_len` tokens (prompt included).
+        Writing past `max_len` is not checked inside jit: size it for prompt + new tokens."""
+        if batch <= 0 or max_len <= 0:
+            raise ValueError(f"init_cache needs positive batch and max_len, got batch={batch}, max_len={max_len}")
+        return DecodeCache(
+            layers=tuple(block.attn.init_cache(batch, max_len) for block in self.layers),
+            segment_ids=jnp.zeros((batch, max_len), jnp.int32),
+            index=jnp.zeros((batch,), jnp.int32))
+
+    def __call__(self, input_ids, positions, segment_ids=None, *, cache: DecodeCache | None = None,
+                 capture: bool = False) -> DecoderOutput:
+        """input_ids, positions, segment_ids: [B, T] int (segment ids: 0 = padding, equal ids attend
+        causally, so packed sequences take distinct ids; None = one sequence per row)."""
+        c = self.config
+        if input_ids.ndim != 2 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids {input_ids.shape} and positions {positions.shape} must both be [B, T]")
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(input_ids, dtype=jnp.int32)
+        elif segment_ids.shape != input_ids.shape:
+            raise ValueError(f"segment_ids {segment_ids.shape} must match input_ids {input_ids.shape}")
+        segment_ids = segment_ids.astype(jnp.int32)
+        h = jnp.take(self.embed[...], input_ids, axis=0).astype(F32)
+        h = constrain(h, ("batch", "length", "act_embed"))
+        activations = {"embed": h} if capture else None
+        write_index = kv_segment_ids = None
+        if cache is not None:
+            write_index = cache.index
+            kv_segment_ids = jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))(
+                cache.segment_ids, segment_ids, write_index, 0)
+        remat = c.remat != "none" and cache is None
+        block_call = (nnx.remat(Block.__call__, policy=REMAT_POLICIES[c.remat]) if remat else Block.__call__)
+        layer_caches, probs, experts = [], [], []
+        for i, block in enumerate(self.layers):
+            layer_cache = None if cache is None else cache.layers[i]
+            h, layer_cache, (attn_out, mlp_out), routing = block_call(
+                block, h, positions, segment_ids, layer_cache, kv_segment_ids, write_index)
+            layer_caches.append(layer_cache)
+            if routing is not None:
+                probs.append(routing[0])
+                experts.append(routing[1])
+            if capture:
+                activations.update({f"layers.{i}.attn": attn_out, f"layers.{i}.mlp": mlp_out,
+                                    f"layers.{i}.out": h})
+        hidden = self.final_norm(h)
+        if capture:
+            activations["final_norm"] = hidden
+        aux_loss = (load_balancing_loss(probs, experts, segment_ids != 0, c.num_experts) if probs
+                    else jnp.zeros((), F32))
+        new_cache = None if cache is None else DecodeCache(
+            tuple(layer_caches), kv_segment_ids, write_index + input_ids.shape[1])
+        return DecoderOutput(hidden, aux_loss, new_cache, jnp.stack(experts, axis=2) if experts else None,
+                             activations)
+
+    def head(self, hidden: jax.Array) -> jax.Array:
+        """Full logits [..., V] float32 from final hidden states (compute-dtype inputs, f32 accumulation).
+        For a few positions (decode) or tests; training uses `token_logprobs`."""
+        dtype = self.config.compute_dtype
+        return jnp.einsum("...d,dv->...v", hidden.astype(dtype), self.lm_head_weight().astype(dtype),
+                          preferred_element_type=F32)
+
+    def logits(self, input_ids, positions, segment_ids=None) -> jax.Array:
+        """[B, T, V] float32 logits of the full forward (small models and tests only)."""
+        return self.head(self(input_ids, positions, segment_ids).hidden)
+
+    def token_logprobs(self, input_ids, positions, segment_ids, targets, *, chunk_size: int = 1024,
+                       vocab_chunk_size: int | None = 32768):
+        """log p(targets) and next-token entropy, each [B, T] float32, via the chunked LM head
+        (`jaxrl.losses.entropy.token_logprobs_and_entropy`), plus the DecoderOutput."""
+        out = self(input_ids, positions, segment_ids)
+        dtype = self.config.compute_dtype
+        logp, entropy = token_logprobs_and_entropy(
+            out.hidden.astype(dtype), self.lm_head_weight().astype(dtype), targets,
+            chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+        return logp, entropy, out

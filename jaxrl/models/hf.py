@@ -1,0 +1,187 @@
+"""Hugging Face checkpoints (transformers format) <-> `Decoder`, for Qwen3 and Qwen3-MoE.
+
+On disk: `config.json` plus `model.safetensors` or a sharded `model.safetensors.index.json`,
+tensor names and layouts as in transformers' original Qwen3/Qwen3-MoE checkpoints (per-expert
+`mlp.experts.{e}.{gate,up,down}_proj.weight`), which transformers and SGLang both load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, NamedTuple
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.decoder import Decoder
+from jaxrl.models.sharding import state_shardings
+
+NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+class TensorMap(NamedTuple):
+    """One parameter of ours (`path` in nnx.state) made of HF tensors `hf_names`.
+    `load(list of HF arrays) -> ours`; `save(ours) -> list of HF arrays`."""
+
+    path: tuple
+    hf_names: tuple[str, ...]
+    load: Callable[[list[np.ndarray]], np.ndarray]
+    save: Callable[[np.ndarray], list[np.ndarray]]
+
+
+def _transposed(path, name):
+    return TensorMap(path, (name,), lambda ws: ws[0].T, lambda w: [w.T])
+
+
+def _same(path, name):
+    return TensorMap(path, (name,), lambda ws: ws[0], lambda w: [w])
+
+
+def _heads_in(path, name, heads, head_dim):
+    """HF [H*Dh, D] <-> ours [D, H, Dh]."""
+    return TensorMap(path, (name,), lambda ws: ws[0].T.reshape(-1, heads, head_dim),
+                     lambda w: [w.reshape(w.shape[0], -1).T])
+
+
+def _heads_out(path, name, heads, head_dim):
+    """HF [D, H*Dh] <-> ours [H, Dh, D]."""
+    return TensorMap(path, (name,), lambda ws: ws[0].T.reshape(heads, head_dim, -1),
+                     lambda w: [w.reshape(heads * head_dim, -1).T])
+
+
+def _experts(path, names):
+    """HF per-expert [out, in] tensors <-> ours [E, in, out]."""
+    return TensorMap(path, tuple(names), lambda ws: np.stack([w.T for w in ws]), lambda w: [e.T for e in w])
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    """Every parameter of `Decoder(config)` and the HF tensors it corresponds to."""
+    c = config
+    maps = [_same(("embed",), "model.embed_tokens.weight"), _same(("final_norm", "weight"), "model.norm.weight")]
+    if not c.tie_word_embeddings:
+        maps.append(_transposed(("lm_head",), "lm_head.weight"))
+    for i in range(c.num_layers):
+        hf, ours = f"model.layers.{i}", ("layers", i)
+        maps += [
+            _same(ours + ("input_norm", "weight"), f"{hf}.input_layernorm.weight"),
+            _same(ours + ("post_attention_norm", "weight"), f"{hf}.post_attention_layernorm.weight"),
+            _heads_in(ours + ("attn", "q_proj"), f"{hf}.self_attn.q_proj.weight", c.num_heads, c.head_dim),
+            _heads_in(ours + ("attn", "k_proj"), f"{hf}.self_attn.k_proj.weight", c.num_kv_heads, c.head_dim),
+            _heads_in(ours + ("attn", "v_proj"), f"{hf}.self_attn.v_proj.weight", c.num_kv_heads, c.head_dim),
+            _heads_out(ours + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", c.num_heads, c.head_dim),
+            _same(ours + ("attn", "q_norm", "weight"), f"{hf}.self_attn.q_norm.weight"),
+            _same(ours + ("attn", "k_norm", "weight"), f"{hf}.self_attn.k_norm.weight"),
+        ]
+        if c.mlp_types[i] == "moe":
+            maps.append(_transposed(ours + ("mlp", "router"), f"{hf}.mlp.gate.weight"))
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names = [f"{hf}.mlp.experts.{e}.{proj}.weight" for e in range(c.num_experts)]
+                maps.append(_experts(ours + ("mlp", proj), names))
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                maps.append(_transposed(ours + ("mlp", proj), f"{hf}.mlp.{proj}.weight"))
+    return maps
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file holding it."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, framework="numpy") as f:
+        return {name: single for name in f.keys()}
+
+
+def read_hf_config(path: str) -> dict:
+    config_file = os.path.join(path, "config.json")
+    if not os.path.exists(config_file):
+        raise FileNotFoundError(f"{config_file} not found: a transformers checkpoint folder needs a config.json")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **config_overrides) -> Decoder:
+    """Load a transformers Qwen3 / Qwen3-MoE folder into a `Decoder`, sharded on `mesh` if given.
+
+    `config_overrides` set ModelConfig fields such as `param_dtype`, `dtype`, `remat`; the
+    parameter dtype defaults to the checkpoint's `torch_dtype`/`dtype` (float32 if neither is
+    float32/bfloat16). Each host array is sliced per device, so no device holds a full tensor
+    it does not own. Unknown, missing or misshapen tensors raise ValueError naming the tensor.
+    """
+    hf_config = read_hf_config(path)
+    stored_dtype = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+    config_overrides.setdefault("param_dtype", stored_dtype if stored_dtype in NUMPY_DTYPES else "float32")
+    config = ModelConfig.from_hf(hf_config, **config_overrides)
+    maps = tensor_maps(config)
+    files = _tensor_files(path)
+    expected = {name for m in maps for name in m.hf_names}
+    unknown = sorted(set(files) - expected)
+    if config.tie_word_embeddings and "lm_head.weight" in unknown:
+        unknown.remove("lm_head.weight")  # some tied checkpoints store the copy; checked below
+    if unknown:
+        raise ValueError(f"checkpoint {path} has tensors the {hf_config['model_type']} model does not: "
+                         f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({len(unknown)} in all)")
+    missing = sorted(expected - set(files))
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                         f"({len(missing)} in all)")
+
+    handles: dict[str, object] = {}
+
+    def read(name: str) -> np.ndarray:
+        file = files[name]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="numpy").__enter__()
+        return handles[file].get_tensor(name)
+
+    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = state_shardings(abstract_state, mesh) if mesh is not None else None
+    flat = dict(nnx.to_flat_state(abstract_state))
+    flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+    param_dtype = NUMPY_DTYPES[config.param_dtype]
+    for m in maps:
+        var = flat[m.path]
+        value = np.ascontiguousarray(m.load([read(n) for n in m.hf_names]).astype(param_dtype))
+        if value.shape != var.shape:
+            raise ValueError(f"checkpoint tensor(s) {m.hf_names[0]}{' ...' if len(m.hf_names) > 1 else ''} give "
+                             f"shape {value.shape} but config.json implies {var.shape}")
+        if m.path in flat_shardings:
+            array = jax.make_array_from_callback(value.shape, flat_shardings[m.path], lambda index, v=value: v[index])
+        else:
+            array = jax.numpy.asarray(value)
+        flat[m.path] = var.replace(array)
+    if config.tie_word_embeddings and "lm_head.weight" in files:
+        if not np.array_equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
+            raise ValueError(f"checkpoint {path} has tie_word_embeddings=true but an lm_head.weight that differs "
+                             "from model.embed_tokens.weight; set tie_word_embeddings=false in config.json")
+    for handle in handles.values():
+        handle.__exit__(None, None, None)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def save_hf_checkpoint(model: Decoder, path: str) -> None:
+    """Write `config.json` and `model.safetensors` (transformers layout, parameter dtype) to `path`."""
+    config = model.config
+    hf_config = config.to_hf()
+    os.makedirs(path, exist_ok=True)
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    tensors = {}
+    for m in tensor_maps(config):
+        value = np.asarray(jax.device_get(flat[m.path][...]))
+        for name, array in zip(m.hf_names, m.save(value)):
+            tensors[name] = np.ascontiguousarray(array)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)

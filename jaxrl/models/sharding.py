@@ -1,0 +1,262 @@
+"""Logical-axis sharding: one rules table, the mesh, sharded model creation, a pjit train step.
+
+Model code names axes logically ("batch", "embed", "heads", "expert", ...). `LOGICAL_AXIS_RULES`
+is the only place those names meet the mesh axes `data`, `fsdp`, `tensor`, `expert`,
+`sequence` (the MaxText scheme): parameters are sharded by their `logical_axes` metadata,
+activations by `constrain`. Axes are `AxisType.Auto`, so XLA's partitioner inserts the
+collectives (an Explicit mesh rejects sharded contracting dimensions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "sequence")
+
+# logical name -> mesh axes (tuple: sharded over their product, in order; () = replicated).
+LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
+    # activations
+    "batch": ("data", "fsdp", "expert"),
+    "length": ("sequence",),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    # parameters
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "expert": ("expert",),
+    "expert_mlp": ("tensor",),
+    "expert_router": (),
+    "norm": (),
+    # decode cache
+    "cache_length": (),
+}
+
+
+def logical_to_spec(logical_axes, shape=None, mesh=None) -> PartitionSpec:
+    """PartitionSpec for one array from its logical axis names via LOGICAL_AXIS_RULES.
+
+    A mesh axis is used at most once per array (first dimension wins). With `shape` and `mesh`
+    given, mesh axes that do not divide the dimension are dropped (activation hints only;
+    parameters are checked strictly by `check_divisible`).
+    """
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(logical_axes):
+        if name is not None and name not in LOGICAL_AXIS_RULES:
+            raise ValueError(f"logical axis {name!r} has no entry in LOGICAL_AXIS_RULES ({sorted(LOGICAL_AXIS_RULES)})")
+        axes, size = [], 1
+        for axis in LOGICAL_AXIS_RULES.get(name, ()) if name is not None else ():
+            if axis in used:
+                continue
+            if mesh is not None and axis not in mesh.shape:
+                continue
+            if shape is not None and mesh is not None and shape[dim] % (size * mesh.shape[axis]):
+                continue
+            axes.append(axis)
+            size *= mesh.shape[axis] if mesh is not None else 1
+        used.update(axes)
+        spec.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+    return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, logical_axes) -> jax.Array:
+    """Sharding hint for an activation under the current mesh (`jax.set_mesh`); a no-op without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the five mesh axes; their product must equal the number of devices used."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+    sequence: int = 1
+
+    def __post_init__(self):
+        for axis in MESH_AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"MeshConfig.{axis} must be a positive integer, got {size!r}")
+
+    @classmethod
+    def from_dict(cls, sizes: dict[str, int]) -> "MeshConfig":
+        unknown = set(sizes) - set(MESH_AXES)
+        if unknown:
+            raise ValueError(f"MeshConfig got unknown axes {sorted(unknown)}; known axes are {list(MESH_AXES)}")
+        return cls(**sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, axis) for axis in MESH_AXES)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def make_mesh(mesh_config: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    """A mesh with axes MESH_AXES (all `AxisType.Auto`) over the first `mesh_config.size` devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    if mesh_config.size > len(devices):
+        raise ValueError(
+            f"MeshConfig {dict(zip(MESH_AXES, mesh_config.shape))} needs {mesh_config.size} devices "
+            f"(the product of the axis sizes) but only {len(devices)} are available")
+    grid = np.asarray(devices[:mesh_config.size], dtype=object).reshape(mesh_config.shape)
+    return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+
+
+def param_specs(state: nnx.State) -> Any:
+    """Tree of PartitionSpecs (no mesh needed) matching `state`, from each Param's logical axes."""
+    def spec(var):
+        axes = var.get_metadata().get("logical_axes")
+        return logical_to_spec(axes) if axes is not None else PartitionSpec()
+    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def check_divisible(state: nnx.State, mesh: jax.sharding.Mesh) -> None:
+    """ValueError naming the parameter, its logical axis and the sizes when a mesh axis does not
+    divide the dimension it shards."""
+    def check(path, var):
+        axes = var.get_metadata().get("logical_axes") or ()
+        spec = logical_to_spec(axes)
+        for dim, (name, mesh_axes) in enumerate(zip(axes, spec)):
+            mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
+            shards = math.prod(mesh.shape[a] for a in mesh_axes)
+            if var.shape[dim] % shards:
+                raise ValueError(
+                    f"parameter {_path_name(path)} dimension {dim} ({name!r}, size {var.shape[dim]}) is sharded "
+                    f"over mesh axes {mesh_axes} of total size {shards}, which does not divide {var.shape[dim]}; "
+                    f"change the mesh sizes or the model dimension")
+    jax.tree_util.tree_map_with_path(check, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh) -> Any:
+    """NamedShardings of every variable in `state` (an nnx.State or its abstract version)."""
+    check_divisible(state, mesh)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(state),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def create_sharded_model(build: Callable[[], nnx.Module], mesh: jax.sharding.Mesh):
+    """Build `build()` (e.g. `lambda: Decoder(config, rngs=nnx.Rngs(0))`) directly sharded on `mesh`.
+
+    Initialisation runs under jit with `out_shardings`, so no device ever holds the full model.
+    Returns (model, shardings) where `shardings` is the NamedSharding tree of `nnx.state(model)`.
+    """
+    abstract = nnx.eval_shape(build)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = state_shardings(abstract_state, mesh)
+
+    def init():
+        return nnx.split(build())[1]
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state), shardings
+
+
+def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh):
+    """Place an existing model's variables on `mesh` by their logical axes. Returns (model, shardings)."""
+    graphdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh)
+    return nnx.merge(graphdef, jax.device_put(state, shardings)), shardings
+
+
+def batch_shardings(batch: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Shardings for a batch pytree: dim 0 is "batch", dim 1 "length", further dims replicated."""
+    def sharding(x):
+        names = ("batch", "length")[: np.ndim(x)] + (None,) * max(np.ndim(x) - 2, 0)
+        return NamedSharding(mesh, logical_to_spec(names, np.shape(x), mesh))
+    return jax.tree.map(sharding, batch)
+
+
+@dataclasses.dataclass
+class TrainStep:
+    """A pjit training step over a mesh: `state, metrics = step(state, batch)`.
+
+    `state` is `{"params": nnx.State, "opt_state": optax state, "step": int32}`; it is donated
+    and comes back with the same shardings. `loss_fn(model, batch) -> (loss, metrics)` sees the
+    model rebuilt from the params. Build with `make_train_step`.
+    """
+
+    graphdef: Any
+    shardings: Any
+    mesh: jax.sharding.Mesh
+    optimizer: optax.GradientTransformation
+    loss_fn: Callable
+    _compiled: dict = dataclasses.field(default_factory=dict)
+
+    def _step(self, state, batch):
+        def loss_of(params):
+            return self.loss_fn(nnx.merge(self.graphdef, params), batch)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    def jitted(self, batch):
+        """The jitted step for this batch's structure (shardings derived from its shapes)."""
+        key = jax.tree.structure(batch), tuple(np.shape(x) for x in jax.tree.leaves(batch))
+        if key not in self._compiled:
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            self._compiled[key] = jax.jit(
+                self._step, in_shardings=(self.shardings, batch_shardings(batch, self.mesh)),
+                out_shardings=(self.shardings, replicated), donate_argnums=(0,))
+        return self._compiled[key]
+
+    def __call__(self, state, batch):
+        with jax.set_mesh(self.mesh):
+            return self.jitted(batch)(state, batch)
+
+    def lower(self, state, batch):
+        """`jax.jit(...).lower` of the step, for compiled cost/memory analysis."""
+        with jax.set_mesh(self.mesh):
+            return self.jitted(batch).lower(state, batch)
+
+
+def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: Callable,
+                    mesh: jax.sharding.Mesh):
+    """Shard `model` on `mesh`, initialise the optimizer state sharded like the params.
+
+    Returns (train_step, state). Optimizer moments inherit the parameter shardings (optax's
+    `init` under jit with the params' shardings propagates them; scalars are replicated).
+    """
+    graphdef, params = nnx.split(model, nnx.Param)
+    if len(jax.tree.leaves(nnx.split(model)[1])) != len(jax.tree.leaves(params)):
+        raise ValueError("make_train_step expects a model whose only variables are nnx.Param")
+    param_shardings = state_shardings(params, mesh)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, param_shardings)
+        opt_state = jax.jit(optimizer.init)(params)
+    opt_shardings = jax.tree.map(
+        lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
+        else NamedSharding(mesh, PartitionSpec()), opt_state)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    state = {"params": params, "opt_state": jax.device_put(opt_state, opt_shardings),
+             "step": jax.device_put(np.int32(0), replicated)}
+    return TrainStep(graphdef, shardings, mesh, optimizer, loss_fn), state
