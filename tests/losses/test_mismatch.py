@@ -77,6 +77,18 @@ def test_batch_metrics_hand_values():
     assert float(got["mismatch_prob_pearson"]) == 0.0
 
 
+def test_small_mismatch_is_resolved_in_float32():
+    # |log_r| ~ 1e-4: k3 ~ 5e-9 and chi2 ~ 2e-4 must not drown in float32 rounding of exp(x) - 1.
+    rng = np.random.default_rng(3)
+    rollout = np.float32(np.log(rng.uniform(0.1, 0.9, size=(2, 64))))
+    old = np.float32(rollout + rng.normal(0, 1e-4, size=(2, 64)))
+    mask = np.ones((2, 64), bool)
+    got = jax.jit(M.mismatch_metrics)(old, rollout, mask)
+    want = _np_metrics(old, rollout, mask)  # float64 on the same float32 inputs
+    for key in ("k3", "chi2_token", "chi2_seq", "k2"):
+        np.testing.assert_allclose(got[f"mismatch_{key}"], want[key], rtol=1e-3, err_msg=key)
+
+
 def test_bucketed_by_rollout_prob():
     rollout_p = np.array([[5e-9, 3e-8, 0.5, 0.05, 1.0, 2e-3]])
     rollout = np.log(rollout_p)
