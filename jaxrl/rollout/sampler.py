@@ -1,0 +1,307 @@
+"""The embedded JAX sampler: jaxrl's default rollout engine, in the learner's process.
+
+``JaxSampler(model)`` implements ``RolloutEngine`` with batched prefill and
+decode through the model's KV cache (``Decoder.__call__`` with a
+``DecodeCache``), the whole generation one jitted function per static shape:
+the batch is padded to a power of two (at most ``max_batch`` rows per call),
+prompts to a power-of-two length bucket (at least ``min_prompt_bucket``), the
+cache to prompt bucket + new-token bucket. Sampling parameters are traced
+arguments, so changing temperature, top-p, top-k, stop ids or the seed never
+recompiles.
+
+Weights: the sampler holds the learner's parameter arrays themselves (the
+``nnx.State`` of its model); ``update_weights`` swaps in the new state by
+reference. JAX arrays are immutable, so when learner and sampler share devices
+nothing is copied; the arrays keep their shardings, so generation runs on the
+learner's mesh and layout (``mesh`` enables the model's activation sharding
+hints, prompts are split over the batch axes).
+
+Logprobs (``SamplingParams.logprob_kind``, module doc of ``jaxrl.rollout.base``):
+RAW is ``log_softmax(logits)`` of the decode step's float32 logits; PROCESSED
+is the distribution actually sampled: ``logits / T``, then top-k (the ``k``
+largest, ties broken toward the lower token id), then top-p on the
+renormalised top-k distribution (the smallest prefix of tokens sorted by
+probability whose mass reaches ``p``: a token is kept when the mass strictly
+before it is ``< p``), renormalised. Temperature 0 is greedy (argmax, lowest
+id on ties), whose processed distribution is a point mass (logprob 0).
+
+Randomness: sample ``j`` of prompt ``i`` draws from
+``fold_in(fold_in(fold_in(PRNGKey(seed), i), j), step)``, so a sample does not
+depend on the batch it was generated in.
+
+Float32 recompute (learner ``token_logprobs`` on the generated sequence vs the
+RAW logprobs returned here) is not bit-identical on XLA CPU; the residual is
+a few float32 ulps of the logits. Why it cannot be zero with a KV cache:
+decode multiplies ``[B, 1, D]`` activations where the recompute multiplies
+``[B, T, D]``, and XLA:CPU's matmul kernels (YNNPACK, Eigen) pick their
+tiling, and so the order of the float32 sums over ``D``, from the shapes: for
+a ``[M, 256] @ [256, 1024]`` product the rows for ``M`` in 2..50 differ from
+the same rows computed with ``M = 640`` (``M = 1`` and ``M >= 51`` agree,
+measured with jax 0.10.2); attention likewise reduces over the cache length in
+decode but over the sequence in the recompute. The measured figures are in
+tests/rollout/test_sampler.py and the README ("Alignment checker").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.models.sharding import batch_shardings
+from jaxrl.rollout.base import LogprobKind, RolloutEngine, Sample, SamplingParams
+
+F32 = jnp.float32
+# Stop ids travel as a fixed-size array (-1 = unused) so their number never recompiles.
+MAX_STOP_IDS = 16
+
+
+def _bucket(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def processed_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """The logits of the distribution sampled from, -inf outside the top-k/top-p support.
+
+    logits: [B, V] float32; temperature (> 0), top_k (0 = off), top_p ((0, 1], 1 = off): scalars
+    (traced or Python). Returns [B, V] float32 ``logits / temperature`` with filtered tokens at -inf.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits.astype(F32) / temperature
+    order = jnp.argsort(-scaled, axis=-1, stable=True)  # descending, ties -> lower id first
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)
+    k = jnp.where(top_k > 0, top_k, vocab)
+    in_top_k = rank < k
+    sorted_probs = jax.nn.softmax(jnp.where(in_top_k, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    in_top_p = (mass_before < top_p) | (top_p >= 1.0)
+    keep_sorted = in_top_k & in_top_p
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def sample_step(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p):
+    """Draws one token per row. logits [B, V] float32, keys [B] PRNG keys.
+
+    Returns (tokens [B] int32, raw logprob [B] float32, processed logprob [B] float32).
+    """
+    logits = logits.astype(F32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    greedy = temperature <= 0
+    filtered = processed_logits(logits, jnp.where(greedy, 1.0, temperature), top_k, top_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    processed = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    raw_token = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    return tokens, raw_token, jnp.where(greedy, 0.0, processed)
+
+
+@jax.jit
+def _row_keys(seed, job):
+    """PRNG key of sample job[r, 1] of prompt job[r, 0]: independent of batching."""
+    base = jax.random.PRNGKey(seed)
+    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(job[:, 0], job[:, 1])
+
+
+def _generate(graphdef, state, prompt_ids, prompt_lengths, row_keys, temperature, top_k, top_p,
+              stop_ids, max_new_tokens, *, new_token_bucket: int, cache_len: int):
+    """Prefill + decode loop. prompt_ids [B, P] right-padded; prompt_lengths [B] (0 = padding row).
+
+    Returns tokens, raw and processed logprobs [B, N], lengths [B], stopped [B] and routed experts
+    [B, N, L_moe, k] (or None), N = new_token_bucket.
+    """
+    model = nnx.merge(graphdef, state)
+    batch, prompt_bucket = prompt_ids.shape
+    slots = jnp.arange(prompt_bucket, dtype=jnp.int32)[None, :]
+    prompt_segments = (slots < prompt_lengths[:, None]).astype(jnp.int32)
+    positions = jnp.broadcast_to(slots, prompt_ids.shape)
+    out = model(prompt_ids, positions, prompt_segments, cache=model.init_cache(batch, cache_len))
+    last = jnp.maximum(prompt_lengths - 1, 0)
+    hidden_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)  # [B, 1, D]
+    logits = model.head(hidden_last)[:, 0]
+    # Continue every row right after its own prompt: cache slot == position, as in the recompute.
+    cache = out.cache._replace(index=prompt_lengths.astype(jnp.int32))
+    routes = None
+    if out.routed_experts is not None:
+        first = jnp.take_along_axis(out.routed_experts, last[:, None, None, None], axis=1)[:, 0]
+        routes = jnp.zeros((batch, new_token_bucket) + first.shape[1:], jnp.int32).at[:, 0].set(first)
+
+    tokens = jnp.zeros((batch, new_token_bucket), jnp.int32)
+    raw = jnp.zeros((batch, new_token_bucket), F32)
+    processed = jnp.zeros((batch, new_token_bucket), F32)
+    done = prompt_lengths == 0
+    lengths = jnp.zeros((batch,), jnp.int32)
+
+    def keep_going(carry):
+        step, _, _, done, *_ = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        step, logits, cache, done, lengths, tokens, raw, processed, routes = carry
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)
+        token, raw_lp, proc_lp = sample_step(logits, keys, temperature, top_k, top_p)
+        live = ~done
+        tokens = tokens.at[:, step].set(jnp.where(live, token, 0))
+        raw = raw.at[:, step].set(jnp.where(live, raw_lp, 0.0))
+        processed = processed.at[:, step].set(jnp.where(live, proc_lp, 0.0))
+        lengths = lengths + live.astype(jnp.int32)
+        done = done | jnp.isin(token, stop_ids)
+        position = (prompt_lengths + step)[:, None]
+        out = model(token[:, None], position, jnp.ones_like(position), cache=cache)
+        if routes is not None:
+            nxt = jnp.minimum(step + 1, new_token_bucket - 1)
+            routes = routes.at[:, nxt].set(jnp.where((step + 1 < new_token_bucket), out.routed_experts[:, 0],
+                                                     routes[:, nxt]))
+        logits = model.head(out.hidden)[:, 0]
+        return step + 1, logits, out.cache, done, lengths, tokens, raw, processed, routes
+
+    carry = (jnp.zeros((), jnp.int32), logits, cache, done, lengths, tokens, raw, processed, routes)
+    _, _, _, done, lengths, tokens, raw, processed, routes = jax.lax.while_loop(keep_going, body, carry)
+    return tokens, raw, processed, lengths, done, routes
+
+
+class JaxSampler(RolloutEngine):
+    """In-process sampler over a ``jaxrl.models.Decoder`` (see the module doc).
+
+    model: the learner's model (its parameter arrays are used by reference).
+    max_cache_len: cache rows per sequence (prompt + new tokens); defaults to the model's
+      ``max_position_embeddings``. Longer requests raise ``ValueError`` naming the prompt.
+    max_batch: most sequences per jitted call (larger requests are split).
+    min_prompt_bucket: smallest prompt-length bucket.
+    mesh: the learner's mesh, or None on one device.
+    """
+
+    def __init__(self, model: nnx.Module, *, max_cache_len: int | None = None, max_batch: int = 64,
+                 min_prompt_bucket: int = 16, mesh: jax.sharding.Mesh | None = None,
+                 weight_version: str = "0"):
+        config = model.config
+        self.max_cache_len = int(max_cache_len or config.max_position_embeddings)
+        if self.max_cache_len > config.max_position_embeddings:
+            raise ValueError(f"max_cache_len={self.max_cache_len} exceeds the model's max_position_embeddings="
+                             f"{config.max_position_embeddings}")
+        for name, value in (("max_cache_len", self.max_cache_len), ("max_batch", max_batch),
+                            ("min_prompt_bucket", min_prompt_bucket)):
+            if value < 1:
+                raise ValueError(f"JaxSampler {name} must be >= 1, got {value}")
+        self.vocab_size = config.vocab_size
+        self.max_batch = max_batch
+        self.min_prompt_bucket = min_prompt_bucket
+        self.mesh = mesh
+        self._graphdef, self._state = nnx.split(model)
+        self._version = str(weight_version)
+        self._jitted = jax.jit(_generate, static_argnums=(0,), static_argnames=("new_token_bucket", "cache_len"))
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    @property
+    def state(self) -> nnx.State:
+        """The parameter state generation reads (the learner's arrays, not a copy)."""
+        return self._state
+
+    def update_weights(self, params, version: str) -> None:
+        """Samples from ``params`` from now on: an ``nnx.Module``, its ``nnx.State``, or a train
+        state dict holding the state under "params". Kept by reference (no copy)."""
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params)
+        elif isinstance(params, dict) and "params" in params:
+            params = params["params"]
+        new_struct, old_struct = jax.tree.structure(params), jax.tree.structure(self._state)
+        if new_struct != old_struct:
+            raise ValueError(f"update_weights: the parameter tree differs from the model's "
+                             f"(got {new_struct}, expected {old_struct}); pass the learner model's nnx.State")
+        for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(self._state)):
+            if jnp.shape(new) != jnp.shape(old) or jnp.result_type(new) != jnp.result_type(old):
+                raise ValueError(f"update_weights: parameter {jax.tree_util.keystr(path)} has shape "
+                                 f"{jnp.shape(new)} {jnp.result_type(new)}, expected {jnp.shape(old)} "
+                                 f"{jnp.result_type(old)}")
+        self._state = params
+        self._version = str(version)
+
+    # ------------------------------------------------------------------ generation
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[np.ndarray]:
+        if isinstance(params, dict) or not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if len(params.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids has {len(params.stop_token_ids)} ids; "
+                             f"the sampler takes at most {MAX_STOP_IDS}")
+        arrays = []
+        for i, prompt in enumerate(prompts):
+            ids = np.asarray(prompt)
+            if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+                raise ValueError(f"prompt {i}: expected a non-empty 1-D list of token ids, got shape "
+                                 f"{ids.shape} dtype {ids.dtype}")
+            if ids.min() < 0 or ids.max() >= self.vocab_size:
+                raise ValueError(f"prompt {i}: token ids must be in [0, {self.vocab_size}), got "
+                                 f"min {ids.min()} max {ids.max()}")
+            need = ids.size + params.max_new_tokens
+            if need > self.max_cache_len:
+                raise ValueError(
+                    f"prompt {i} has {ids.size} tokens; with max_new_tokens={params.max_new_tokens} it needs "
+                    f"{need} cache rows but the sampler's cache holds {self.max_cache_len} (max_cache_len): "
+                    f"shorten the prompt, lower max_new_tokens or raise max_cache_len")
+            arrays.append(ids.astype(np.int32))
+        return arrays
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> list[list[Sample]]:
+        if n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        arrays = self._check_prompts(prompts, params)
+        jobs = [(i, j) for i in range(len(arrays)) for j in range(n)]
+        results: list[list[Sample | None]] = [[None] * n for _ in arrays]
+        for start in range(0, len(jobs), self.max_batch):
+            chunk = jobs[start:start + self.max_batch]
+            for (i, j), sample in zip(chunk, self._run([arrays[i] for i, _ in chunk], chunk, params)):
+                results[i][j] = sample
+        return results  # type: ignore[return-value]
+
+    def _run(self, prompts: list[np.ndarray], ids: list[tuple[int, int]], params: SamplingParams) -> list[Sample]:
+        rows = _bucket(len(prompts), 1)
+        longest = max(p.size for p in prompts)
+        prompt_bucket = min(_bucket(longest, self.min_prompt_bucket), self.max_cache_len)
+        new_bucket = _bucket(params.max_new_tokens, 1)
+        cache_len = min(prompt_bucket + new_bucket, self.max_cache_len)
+        prompt_ids = np.zeros((rows, prompt_bucket), np.int32)
+        prompt_lengths = np.zeros(rows, np.int32)
+        for r, p in enumerate(prompts):
+            prompt_ids[r, :p.size] = p
+            prompt_lengths[r] = p.size
+        job = np.zeros((rows, 2), np.int32)
+        job[:len(ids)] = ids
+        keys = _row_keys(jnp.asarray(params.seed, jnp.uint32), jnp.asarray(job))
+        stop = np.full(MAX_STOP_IDS, -1, np.int32)
+        stop[:len(params.stop_token_ids)] = params.stop_token_ids
+        args = (prompt_ids, prompt_lengths, keys)
+        if self.mesh is not None:
+            args = jax.device_put(args, batch_shardings(args, self.mesh))
+        scalars = (jnp.asarray(params.temperature, F32), jnp.asarray(params.top_k, jnp.int32),
+                   jnp.asarray(params.top_p, F32), jnp.asarray(stop), jnp.asarray(params.max_new_tokens, jnp.int32))
+        call = lambda: self._jitted(self._graphdef, self._state, *args, *scalars,
+                                    new_token_bucket=new_bucket, cache_len=cache_len)
+        if self.mesh is not None:
+            with jax.set_mesh(self.mesh):
+                outputs = call()
+        else:
+            outputs = call()
+        tokens, raw, processed, lengths, stopped, routes = jax.device_get(outputs)
+        chosen = raw if params.logprob_kind == LogprobKind.RAW else processed
+        samples = []
+        for r, p in enumerate(prompts):
+            n = int(lengths[r])
+            samples.append(Sample(
+                prompt_ids=p, output_ids=tokens[r, :n].copy(), output_logprobs=chosen[r, :n].copy(),
+                finish_reason="stop" if stopped[r] else "length", weight_version=self._version,
+                logprob_kind=params.logprob_kind,
+                routed_experts=None if routes is None else routes[r, :n].copy()))
+        return samples
+
+
+__all__ = ["JaxSampler", "processed_logits", "sample_step"]
+

@@ -1,0 +1,260 @@
+"""The embedded JAX sampler against the learner's full forward and closed-form distributions."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from jaxrl.align.check import collect, score_with_learner
+from jaxrl.align.metrics import build_report
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.decoder import Decoder
+from jaxrl.rollout.base import Conversation, LogprobKind, SamplingParams
+from jaxrl.rollout.sampler import JaxSampler, processed_logits, sample_step
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=8, max_position_embeddings=128)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21, 22], [23, 24, 25],
+           [26, 27, 28, 29, 30, 31]]
+
+
+def make_model(seed=0, **overrides):
+    # A larger init scale than transformers' 0.02 gives peaked, varied next-token distributions.
+    model = Decoder(ModelConfig(**(TINY | overrides)), rngs=nnx.Rngs(seed))
+    state = nnx.state(model)
+    nnx.update(model, jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x, state))
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+    return JaxSampler(model, max_cache_len=64, max_batch=8)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _forward(graphdef, state, ids, lengths):
+    model = nnx.merge(graphdef, state)
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    segments = (positions < lengths[:, None]).astype(jnp.int32)
+    out = model(ids, positions, segments)
+    return model.head(out.hidden), out.routed_experts
+
+
+def full_forward(model, sequences, width=16):
+    """The learner's full forward over right-padded sequences: (logits [B, W, V], routes or None)."""
+    ids = np.zeros((len(sequences), width), np.int32)
+    for r, seq in enumerate(sequences):
+        ids[r, :len(seq)] = seq
+    graphdef, state = nnx.split(model)
+    logits, routes = _forward(graphdef, state, jnp.asarray(ids), jnp.asarray([len(s) for s in sequences]))
+    return np.asarray(logits), None if routes is None else np.asarray(routes)
+
+
+def full_logits(model, sequences):
+    return full_forward(model, sequences)[0]
+
+
+def test_greedy_equals_argmax_of_the_full_forward_step_by_step(model, sampler):
+    out = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+    checked = 0
+    all_logits = full_logits(model, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out)])
+    for prompt, (sample,), logits in zip(PROMPTS, out, all_logits):
+        assert sample.output_ids.size == 8 and sample.finish_reason == "length"
+        for step, token in enumerate(sample.output_ids):
+            row = logits[len(prompt) - 1 + step]
+            top2 = np.sort(row)[-2:]
+            assert top2[1] - top2[0] > 1e-4, "near tie: the test would not be meaningful"
+            assert token == np.argmax(row), (prompt, step)
+            checked += 1
+    assert checked == 64
+
+
+def test_sample_step_follows_the_processed_distribution_chi_squared():
+    logits = jnp.asarray([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5]])
+    n = 20000
+    keys = jax.random.split(jax.random.PRNGKey(123), n)
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (1.0, 6, 0.9)]:
+        tokens, _, proc = jax.vmap(lambda k: sample_step(logits, k[None], temperature, top_k, top_p))(keys)
+        tokens = np.asarray(tokens)[:, 0]
+        # expected: softmax(logits / T) restricted to the hand-derived support, renormalised
+        scaled = np.asarray(logits[0], np.float64) / temperature
+        order = np.argsort(-scaled, kind="stable")
+        support = order[:top_k] if top_k else order
+        p = np.exp(scaled[support] - scaled[support].max())
+        p /= p.sum()
+        if top_p < 1:
+            keep = (np.cumsum(p) - p) < top_p
+            support, p = support[keep], p[keep] / p[keep].sum()
+        counts = np.bincount(tokens, minlength=8)
+        assert counts[np.setdiff1d(np.arange(8), support)].sum() == 0, (temperature, top_k, top_p)
+        chi2, pvalue = stats.chisquare(counts[support], n * p)
+        assert pvalue > 1e-3, (temperature, top_k, top_p, chi2, pvalue)
+        # processed logprob returned is log p of the drawn token under that distribution
+        lookup = dict(zip(support.tolist(), np.log(p)))
+        np.testing.assert_allclose(np.asarray(proc)[:50, 0], [lookup[t] for t in tokens[:50]], rtol=1e-5)
+
+
+def test_sampler_first_tokens_follow_the_model_distribution(model):
+    sampler = JaxSampler(model, max_cache_len=32, max_batch=512)
+    prompt = [3, 1, 4, 1, 5]
+    n = 4096
+    out = sampler.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=1, seed=7), n=n)
+    tokens = np.array([s.output_ids[0] for s in out[0]])
+    logits = full_logits(model, [prompt])[0, len(prompt) - 1].astype(np.float64)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    # pool the rare tokens so every cell expects >= 5 draws
+    order = np.argsort(-p)
+    common = order[n * p[order] >= 5]
+    observed = np.append(np.bincount(tokens, minlength=64)[common], np.isin(tokens, common, invert=True).sum())
+    expected = np.append(n * p[common], n * (1 - p[common].sum()))
+    assert len(common) >= 8
+    _, pvalue = stats.chisquare(observed, expected)
+    assert pvalue > 1e-3, pvalue
+
+
+def test_top_k_and_top_p_mask_exactly_the_right_tokens():
+    logp = np.log(np.array([[0.1, 0.4, 0.2, 0.3], [0.1, 0.4, 0.2, 0.3]], np.float32))
+    jitted = jax.jit(processed_logits)
+    kept = lambda **kw: np.isfinite(np.asarray(jitted(jnp.asarray(logp), **kw)))[0].nonzero()[0].tolist()
+    assert kept(temperature=1.0, top_k=0, top_p=1.0) == [0, 1, 2, 3]
+    assert kept(temperature=1.0, top_k=2, top_p=1.0) == [1, 3]
+    assert kept(temperature=1.0, top_k=1, top_p=1.0) == [1]
+    assert kept(temperature=1.0, top_k=0, top_p=0.65) == [1, 3]  # 0.4, then mass 0.4 < 0.65 keeps 0.3
+    assert kept(temperature=1.0, top_k=0, top_p=0.35) == [1]
+    assert kept(temperature=1.0, top_k=0, top_p=0.75) == [1, 2, 3]  # mass before 0.2 is 0.7 < 0.75
+    # top-p acts on the top-k renormalised distribution: top-3 -> [0.444, 0.333, 0.222]
+    assert kept(temperature=1.0, top_k=3, top_p=0.5) == [1, 3]
+    assert kept(temperature=1.0, top_k=3, top_p=0.4) == [1]
+    # temperature sharpens before top-p: T=0.5 -> probs prop. to p^2 = [.01,.16,.04,.09]/.30
+    assert kept(temperature=0.5, top_k=0, top_p=0.6) == [1, 3]  # 0.533 < 0.6 keeps 0.3
+    # ties at the top-k boundary go to the lower token id
+    tie = jnp.asarray([[0.0, 2.0, 2.0, 1.0]])
+    assert np.isfinite(np.asarray(jitted(tie, 1.0, 1, 1.0)))[0].nonzero()[0].tolist() == [1]
+    assert np.isfinite(np.asarray(jitted(tie, 1.0, 2, 1.0)))[0].nonzero()[0].tolist() == [1, 2]
+
+
+def test_sampled_tokens_stay_in_the_top_k_of_the_full_forward(model, sampler):
+    prompts = PROMPTS
+    out = sampler.generate(prompts, SamplingParams(temperature=1.0, top_k=3, max_new_tokens=8, seed=3))
+    all_logits = full_logits(model, [p + s.output_ids.tolist() for p, (s,) in zip(prompts, out)])
+    for prompt, (sample,), logits in zip(prompts, out, all_logits):
+        for step, token in enumerate(sample.output_ids):
+            top3 = np.argsort(-logits[len(prompt) - 1 + step], kind="stable")[:3]
+            assert token in top3
+
+
+def test_stop_ids_end_a_sample_and_mask_what_follows(model, sampler):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    first = sampler.generate(PROMPTS, greedy)
+    stop = int(first[0][0].output_ids[2])
+    out = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,)))
+    for (full,), (cut,) in zip(first, out):
+        hits = np.flatnonzero(full.output_ids == stop)
+        if hits.size:
+            assert cut.finish_reason == "stop" and cut.output_ids.size == hits[0] + 1
+            assert cut.output_ids[-1] == stop
+        else:
+            assert cut.finish_reason == "length" and cut.output_ids.size == 8
+        np.testing.assert_array_equal(cut.output_ids, full.output_ids[:cut.output_ids.size])
+        np.testing.assert_array_equal(cut.output_logprobs, full.output_logprobs[:cut.output_ids.size])
+    # the conversation built from a stopped sample marks exactly its tokens as model tokens
+    conv = Conversation.from_prompt(PROMPTS[0]).add_model_turn(out[0][0])
+    assert conv.model_mask.sum() == 3 and conv.model_mask[-3:].all()
+
+
+def test_seeds_are_per_sample_and_independent_of_the_batch(sampler):
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11)
+    mine = sampler.generate(PROMPTS[:4], params, n=2)
+    # same prompt index, different companions / padding rows: same samples
+    other_companions = sampler.generate(PROMPTS[:2] + PROMPTS[5:7], params, n=2)
+    padded = sampler.generate(PROMPTS[:3], params, n=2)
+    for i in range(2):
+        for j in range(2):
+            np.testing.assert_array_equal(mine[i][j].output_ids, other_companions[i][j].output_ids)
+            np.testing.assert_array_equal(mine[i][j].output_ids, padded[i][j].output_ids)
+    assert not np.array_equal(mine[1][0].output_ids, mine[1][1].output_ids)
+    reseeded = sampler.generate(PROMPTS[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=12), n=2)
+    assert any(not np.array_equal(a.output_ids, b.output_ids) for a, b in zip(mine[1], reseeded[1]))
+
+
+def test_processed_logprobs_are_the_filtered_distribution(model, sampler):
+    params = SamplingParams(temperature=0.8, top_k=5, max_new_tokens=8, seed=5, logprob_kind="processed")
+    (sample,), *_ = sampler.generate(PROMPTS, params)
+    assert sample.logprob_kind == LogprobKind.PROCESSED
+    logits = full_logits(model, [PROMPTS[0] + sample.output_ids.tolist()])[0]
+    for step, token in enumerate(sample.output_ids):
+        row = logits[len(PROMPTS[0]) - 1 + step].astype(np.float64) / 0.8
+        top = np.argsort(-row, kind="stable")[:5]
+        expected = row[token] - np.log(np.sum(np.exp(row[top])))
+        assert sample.output_logprobs[step] == pytest.approx(expected, abs=1e-5)
+
+
+def test_float32_recompute_residual(model, sampler):
+    """Learner recompute vs the sampler's RAW logprobs in float32 (see sampler module doc).
+
+    Not bit-identical on XLA CPU (shape-dependent matmul tiling); the residual is float32
+    rounding of the logits: measured max |dlogp| ~2.4e-7 (a couple of ulps), k3 ~1e-14.
+    """
+    batch = score_with_learner(model, collect(sampler, PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8,
+                                                                               seed=1)))
+    overall = build_report(batch)["overall"]
+    print(f"\nfloat32 recompute: max|dlogp| {overall['abs_log_ratio_max']:.3g}  k3 {overall['k3']:.3g}  "
+          f"identical tokens {np.mean(batch.learner_logprobs[batch.model_mask] == batch.rollout_logprobs[batch.model_mask]):.3f}")
+    assert overall["abs_log_ratio_max"] < 5e-6
+    assert overall["k3"] < 1e-11
+
+
+def test_bfloat16_k3_is_measured(model):
+    bf16 = make_model(dtype="bfloat16")
+    sampler = JaxSampler(bf16, max_cache_len=64, max_batch=8)
+    batch = score_with_learner(bf16, collect(sampler, PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8,
+                                                                              seed=1)))
+    overall = build_report(batch)["overall"]
+    print(f"\nbfloat16 compute: k3 {overall['k3']:.3g}  max|dlogp| {overall['abs_log_ratio_max']:.3g}")
+    assert math.isfinite(overall["k3"]) and overall["num_tokens"] == 64
+
+
+def test_update_weights_reads_the_learner_arrays_without_copy(model):
+    learner = make_model(seed=1)
+    sampler = JaxSampler(learner, max_cache_len=64, max_batch=8)
+    state = nnx.state(learner)
+    for mine, theirs in zip(jax.tree.leaves(sampler.state), jax.tree.leaves(state)):
+        assert mine is theirs
+    before = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+    sampler.update_weights(nnx.state(model), "v2")
+    assert sampler.weight_version == "v2"
+    after = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert after[0][0].weight_version == "v2"
+    assert any(not np.array_equal(a[0].output_ids, b[0].output_ids) for a, b in zip(before, after))
+    wrong = jax.tree.map(lambda x: x[..., :1] if x.ndim == 1 else x, nnx.state(model))
+    with pytest.raises(ValueError, match="final_norm.*has shape"):
+        sampler.update_weights(wrong, "v3")
+
+
+def test_prompt_longer_than_the_cache_names_the_prompt(sampler):
+    with pytest.raises(ValueError, match="prompt 1 has 60 tokens; with max_new_tokens=8 it needs 68 cache rows"):
+        sampler.generate([[1, 2], list(range(60))], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match=r"prompt 0: token ids must be in \[0, 64\)"):
+        sampler.generate([[1, 99]], SamplingParams())
+
+
+def test_moe_routed_experts_match_the_full_forward():
+    moe = make_model(mlp_types=("moe", "dense"), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    sampler = JaxSampler(moe, max_cache_len=64, max_batch=8)
+    out = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+    _, routes = full_forward(moe, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out)])
+    for prompt, (sample,), route in zip(PROMPTS, out, routes):
+        assert sample.routed_experts.shape == (8, 1, 2)
+        # output token j is predicted from input position len(prompt) - 1 + j
+        np.testing.assert_array_equal(sample.routed_experts, route[len(prompt) - 1:len(prompt) + 7])
