@@ -1,0 +1,283 @@
+"""``SGLangEngine``: the rollout interface (jaxrl/rollout/base.py) on a fleet of SGLang servers.
+
+Generation: one ``/generate`` request per prompt (``n`` samples), prompt i sent
+to server ``i % num_servers``, all in flight at once; results come back complete
+and in prompt order. A request that fails (server died, timeout) is retried
+after the manager restarts a dead server; a retried request replaces, never
+adds to, its prompt's samples.
+
+Weight push (SPEC section 7, "push the new weights ... and verify the push"):
+export the learner's parameters as a Hugging Face checkpoint into a temporary
+folder, rename it into place (a crash never leaves a half-written checkpoint a
+server could load), ``/update_weights_from_disk`` on every server with the new
+``weight_version``, confirm the version in ``/model_info``, then score a fixed
+probe sequence on every server and compare with the learner's own recompute.
+A mismatch is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import time
+import uuid
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from jaxrl.rollout.base import LogprobKind, RolloutEngine, Sample, SamplingParams
+from jaxrl.rollout.sglang.client import (
+    ClientConfig,
+    SGLangClient,
+    SGLangResponseError,
+    generate_payload,
+    parse_samples,
+)
+from jaxrl.rollout.sglang.server import ServerManager
+
+# (params, folder) -> None: writes config.json + safetensors for ``params`` into folder.
+ExportFn = Callable[[Any, str], None]
+# (params, token_ids [L] int) -> [L - 1] float: log p(token_{t+1} | tokens_{<=t}), raw logits, T = 1.
+RecomputeFn = Callable[[Any, np.ndarray], np.ndarray]
+
+
+class WeightPushError(RuntimeError):
+    """A push did not take effect as verified; the message names the server and what differed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PushConfig:
+    """checkpoint_dir: where pushed checkpoints are written (``weights-<version>``);
+    keep_checkpoints: newest pushed checkpoints kept on disk (>= 1: a restarted server reloads the newest);
+    probe_ids: the fixed token sequence scored after every push (>= 2 tokens);
+    probe_atol: largest allowed |engine logprob - learner logprob| on the probe."""
+
+    checkpoint_dir: str = "runs/sglang/checkpoints"
+    keep_checkpoints: int = 2
+    probe_ids: tuple[int, ...] = (1, 7, 42, 3, 99, 5, 12, 8, 64, 2, 31, 17)
+    probe_atol: float = 1e-5
+
+    def __post_init__(self):
+        object.__setattr__(self, "probe_ids", tuple(int(t) for t in self.probe_ids))
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"PushConfig.keep_checkpoints: got {self.keep_checkpoints}, expected >= 1")
+        if len(self.probe_ids) < 2 or min(self.probe_ids) < 0:
+            raise ValueError(f"PushConfig.probe_ids: got {self.probe_ids}, expected >= 2 token ids >= 0")
+        if not self.probe_atol > 0:
+            raise ValueError(f"PushConfig.probe_atol: got {self.probe_atol}, expected > 0")
+
+
+class SGLangEngine(RolloutEngine):
+    """Rollouts on the servers of a started ``ServerManager``.
+
+    export_fn / recompute_fn: how to write the learner's parameters as an HF
+      checkpoint and how the learner scores a sequence; both are needed by
+      ``update_weights`` only (generation works without them).
+    """
+
+    def __init__(
+        self,
+        manager: ServerManager,
+        export_fn: ExportFn | None = None,
+        recompute_fn: RecomputeFn | None = None,
+        push: PushConfig = PushConfig(),
+        client: ClientConfig = ClientConfig(),
+    ):
+        self.manager = manager
+        self.push_config = push
+        self._export_fn = export_fn
+        self._recompute_fn = recompute_fn
+        self._client = SGLangClient(manager.urls, client, on_failure=manager.ensure_running,
+                                    describe=manager.describe)
+        model_config = _read_model_config(manager.model_path)
+        self.vocab_size = int(model_config["vocab_size"])
+        self._moe_top_k = (int(model_config["num_experts_per_tok"])
+                           if manager.config.return_routed_experts else None)
+        self._version = manager.weight_version
+        self._batches = 0
+        self.last_push_metrics: dict[str, float] = {}
+
+    # ----- RolloutEngine ---------------------------------------------------
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1
+                 ) -> list[list[Sample]]:
+        """``n`` samples for each prompt: result[i][j] is sample j of prompt i.
+
+        Sample.routed_experts (MoE fleets started with return_routed_experts):
+        int32 [len(prompt) + len(output) - 1, num_layers, top_k], the experts every
+        fed position was routed to, prompt positions first.
+        """
+        self._check_kind(params)
+        if n < 1:
+            raise ValueError(f"SGLangEngine.generate: n must be >= 1, got {n}")
+        prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
+        self._batches += 1
+        num_servers = self.manager.num_servers
+        names = [f"request {i} of batch {self._batches} (prompt of {len(p)} tokens, n={n})"
+                 for i, p in enumerate(prompts)]
+        calls = [(i % num_servers, "POST", "/generate",
+                  generate_payload(p, params, n, self._moe_top_k is not None), names[i])
+                 for i, p in enumerate(prompts)]
+        responses = self._client.map(calls)
+        return [parse_samples(r, p, params, n, self._moe_top_k,
+                              f"{self.manager.describe(i % num_servers)}, {names[i]}")
+                for i, (r, p) in enumerate(zip(responses, prompts))]
+
+    def update_weights(self, params, version: str) -> dict[str, float]:
+        """Pushes ``params`` to every server as ``version`` and verifies it; returns timing metrics.
+
+        Metrics (seconds unless named otherwise): push/export_s (checkpoint
+        write), push/load_s (servers loading it), push/verify_s (version and
+        probe checks), push/total_s, push/probe_max_abs_diff (nats).
+        """
+        if self._export_fn is None or self._recompute_fn is None:
+            raise ValueError("SGLangEngine.update_weights needs export_fn and recompute_fn "
+                             "(the learner's HF export and logprob recompute); pass them to SGLangEngine")
+        version = str(version)
+        if version == self._version:
+            raise ValueError(f"SGLangEngine.update_weights: version {version!r} is the current one; "
+                             "every push needs a new version so samples can be attributed to weights")
+        start = time.perf_counter()
+        path = self._write_checkpoint(params, version)
+        exported = time.perf_counter()
+        self._load_everywhere(path, version)
+        loaded = time.perf_counter()
+        diff = self._verify(params, version)
+        verified = time.perf_counter()
+        self._version = version
+        self.manager.record_weights(str(path), version)
+        self._prune_checkpoints(keep=path)
+        self.last_push_metrics = {
+            "push/export_s": exported - start,
+            "push/load_s": loaded - exported,
+            "push/verify_s": verified - loaded,
+            "push/total_s": verified - start,
+            "push/probe_max_abs_diff": diff,
+        }
+        return dict(self.last_push_metrics)
+
+    def close(self) -> None:
+        self._client.close()
+
+    # ----- scoring ---------------------------------------------------------
+    def score(self, token_ids: Sequence[int], server: int = 0) -> np.ndarray:
+        """SGLang's raw logprobs of a given sequence (teacher forcing): [L - 1] float32,
+        entry t = log p(token_{t+1} | tokens_{<=t}). ``input_token_logprobs`` are raw
+        (temperature 1, unfiltered) whatever the fleet's logprob_kind."""
+        token_ids = self._check_prompt(0, token_ids)
+        if len(token_ids) < 2:
+            raise ValueError(f"SGLangEngine.score: need >= 2 tokens, got {len(token_ids)}")
+        payload = {"input_ids": token_ids, "return_logprob": True, "logprob_start_len": 0,
+                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        name = f"scoring request ({len(token_ids)} tokens)"
+        response = self._client.request(server, "POST", "/generate", payload, name)
+        entries = (response.get("meta_info") or {}).get("input_token_logprobs")
+        if entries is None or len(entries) != len(token_ids):
+            raise SGLangResponseError(
+                f"{self.manager.describe(server)}, {name}: expected {len(token_ids)} "
+                f"input_token_logprobs, got {None if entries is None else len(entries)}; check that "
+                "the server honours logprob_start_len (SGLang >= 0.5.23)")
+        return np.asarray([e[0] for e in entries[1:]], np.float32)
+
+    # ----- internals -------------------------------------------------------
+    def _check_kind(self, params: SamplingParams) -> None:
+        fleet_kind = self.manager.config.logprob_kind
+        if params.logprob_kind == LogprobKind.RAW and fleet_kind != LogprobKind.RAW:
+            raise ValueError(
+                f"SamplingParams.logprob_kind is RAW but the servers were started with "
+                f"ServerConfig.logprob_kind={fleet_kind.value!r}, so their output_token_logprobs "
+                "are temperature-scaled, not raw; start them with logprob_kind=RAW "
+                "(SGLANG_RETURN_ORIGINAL_LOGPROB=1) or ask for LogprobKind.PROCESSED")
+
+    def _check_prompt(self, index: int, prompt: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {index} is empty; every prompt needs >= 1 token id")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {index} has token ids {bad[:5]} outside [0, {self.vocab_size}) "
+                             f"(vocab_size of {self.manager.model_path})")
+        return ids
+
+    def _write_checkpoint(self, params, version: str) -> pathlib.Path:
+        root = pathlib.Path(self.push_config.checkpoint_dir).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"weights-{_safe_name(version)}"
+        if final.exists():
+            raise ValueError(f"SGLangEngine.update_weights: {final} exists already; version "
+                             f"{version!r} was pushed before (versions must be new)")
+        temporary = root / f".partial-{_safe_name(version)}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._export_fn(params, str(temporary))
+            if not (temporary / "config.json").is_file():
+                raise ValueError(f"export_fn wrote no config.json into {temporary}; it must write a "
+                                 "complete Hugging Face checkpoint (config.json + *.safetensors)")
+            os.rename(temporary, final)
+        finally:
+            shutil.rmtree(temporary, ignore_errors=True)
+        return final
+
+    def _load_everywhere(self, path: pathlib.Path, version: str) -> None:
+        payload = {"model_path": str(path), "weight_version": version, "flush_cache": True}
+        name = f"weight push of version {version!r} from {path}"
+        calls = [(i, "POST", "/update_weights_from_disk", payload, name)
+                 for i in range(self.manager.num_servers)]
+        for i, result in enumerate(self._client.map(calls)):
+            if not result.get("success", False):
+                raise WeightPushError(
+                    f"{self.manager.describe(i)}: {name} failed: {result.get('message')!r}; check "
+                    "that the checkpoint has the served architecture and parameter names")
+
+    def _verify(self, params, version: str) -> float:
+        infos = self._client.map([(i, "GET", "/model_info", None, f"version check after pushing {version!r}")
+                                  for i in range(self.manager.num_servers)])
+        for i, info in enumerate(infos):
+            if info.get("weight_version") != version:
+                raise WeightPushError(
+                    f"{self.manager.describe(i)} reports weight_version "
+                    f"{info.get('weight_version')!r} after the push of {version!r}; the update "
+                    "did not take effect: check the server log and that /update_weights_from_disk "
+                    "accepts weight_version (SGLang >= 0.5.23)")
+        probe = np.asarray(self.push_config.probe_ids, np.int32)
+        expected = np.asarray(self._recompute_fn(params, probe), np.float64)
+        if expected.shape != (len(probe) - 1,):
+            raise ValueError(f"recompute_fn returned shape {expected.shape}; expected "
+                             f"({len(probe) - 1},): log p(token t+1 | tokens <= t) of the probe")
+        worst = 0.0
+        for i in range(self.manager.num_servers):
+            got = self.score(probe, server=i).astype(np.float64)
+            diff = float(np.max(np.abs(got - expected)))
+            worst = max(worst, diff)
+            if not diff <= self.push_config.probe_atol:
+                raise WeightPushError(
+                    f"{self.manager.describe(i)}: after pushing version {version!r}, the probe's "
+                    f"logprobs differ from the learner's recompute by up to {diff:.3g} nats "
+                    f"(PushConfig.probe_atol={self.push_config.probe_atol:g}); the server is not "
+                    "serving the learner's weights: check the export (parameter names, dtype, "
+                    "tied embeddings) and the server's --dtype")
+        return worst
+
+    def _prune_checkpoints(self, keep: pathlib.Path) -> None:
+        pushed = sorted(keep.parent.glob("weights-*"), key=lambda p: p.stat().st_mtime)
+        for old in pushed[: max(len(pushed) - self.push_config.keep_checkpoints, 0)]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _read_model_config(model_path: str) -> dict:
+    path = pathlib.Path(model_path) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"cannot read the model config {path}: {err}; ServerConfig.model_path "
+                                "must be a Hugging Face checkpoint folder") from None
+
+
+def _safe_name(version: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in version)

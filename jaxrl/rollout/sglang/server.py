@@ -1,0 +1,411 @@
+"""Starts, watches, restarts and stops SGLang servers (one process group each).
+
+The servers run in their own interpreter (on CPU: ``.venv-sglang``, made by
+``scripts/setup_sglang_cpu.sh``; on GPUs: wherever ``pip install jaxrl[sglang]``
+put SGLang), so the trainer's process never imports SGLang; it talks HTTP.
+
+Nothing is left behind: every server is a process-group leader that is killed
+as a group on ``stop()``, at interpreter exit (``atexit``), on SIGTERM/SIGHUP,
+and, when the trainer is killed outright (SIGKILL, OOM), by the kernel: the
+server's launcher asks for ``PR_SET_PDEATHSIG`` before SGLang starts, and
+SGLang's own subprocesses do the same towards the launcher.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import requests
+
+from jaxrl.rollout.base import LogprobKind
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
+CPU_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
+CPU_STAND_IN_DIR = REPO_ROOT / "scripts" / "sglang_cpu"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+
+# Runs in the server's interpreter before SGLang: die with the thread that
+# started us (prctl PR_SET_PDEATHSIG = 1), and give up at once if that already
+# happened between fork and prctl (then our parent is no longer the trainer).
+_LAUNCHER = (
+    "import ctypes, os, runpy, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(os.environ['JAXRL_SGLANG_PARENT_PID']): sys.exit(1)\n"
+    "sys.argv = ['sglang.launch_server'] + sys.argv[1:]\n"
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
+)
+
+
+class ServerStartError(RuntimeError):
+    """A server did not become healthy; the message names it and its log."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """How to launch a fleet of identical SGLang servers (data parallel).
+
+    model_path: HF checkpoint folder (config.json + safetensors) every server loads.
+    num_servers: servers to start; server i listens on ``base_port + i``.
+    host: bind address; 127.0.0.1 keeps the servers private to this machine.
+    device: "cpu" (the CPU recipe: stand-in sgl_kernel, torch-native kernels) or "cuda".
+    dtype: SGLang ``--dtype``; float32 makes logprobs match a float32 learner.
+    logprob_kind: what ``output_token_logprobs`` hold. RAW sets the server-wide
+      ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (raw ``log_softmax(logits)``);
+      PROCESSED leaves SGLang's default. Either way a PROCESSED request gets the
+      sampled-from distribution through ``return_sampling_mask`` (see client.py),
+      but a RAW request on a PROCESSED fleet is refused: those servers cannot give it.
+    return_routed_experts: start with ``--enable-return-routed-experts`` (MoE R3).
+    max_total_tokens: KV-cache size in tokens (``--max-total-tokens``); None: SGLang's choice.
+    python: interpreter that has SGLang; None: ``.venv-sglang`` on CPU, this one on GPUs.
+    extra_args: more ``launch_server`` flags, passed as given.
+    env: more environment variables for the servers, as (name, value) pairs.
+    startup_timeout_s: how long to wait for ``/health`` after a (re)start.
+    stop_timeout_s: how long SIGTERM may take before the group gets SIGKILL.
+    log_dir: one log file per server (``server-<i>-port-<port>.log``), appended across restarts.
+    omp_num_threads: OMP_NUM_THREADS for CPU servers (1: an idle scheduler spins otherwise).
+    """
+
+    model_path: str
+    num_servers: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    device: str = "cpu"
+    dtype: str = "float32"
+    logprob_kind: LogprobKind = LogprobKind.RAW
+    return_routed_experts: bool = False
+    max_total_tokens: int | None = 8192
+    python: str | None = None
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 10.0
+    log_dir: str = "runs/sglang"
+    omp_num_threads: int = 1
+
+    def __post_init__(self):
+        def bad(field, got, expected):
+            raise ValueError(f"ServerConfig.{field}: got {got!r}, expected {expected}")
+
+        if not self.model_path:
+            bad("model_path", self.model_path, "a Hugging Face checkpoint folder")
+        if self.num_servers < 1:
+            bad("num_servers", self.num_servers, "at least 1")
+        if not 1024 <= self.base_port <= 65535 - self.num_servers:
+            bad("base_port", self.base_port, f"a port in [1024, {65535 - self.num_servers}]")
+        if self.device not in DEVICES:
+            bad("device", self.device, f"one of {DEVICES}")
+        if self.dtype not in DTYPES:
+            bad("dtype", self.dtype, f"one of {DTYPES}")
+        try:
+            object.__setattr__(self, "logprob_kind", LogprobKind(self.logprob_kind))
+        except ValueError:
+            bad("logprob_kind", self.logprob_kind, f"one of {[k.value for k in LogprobKind]}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            bad("max_total_tokens", self.max_total_tokens, "a positive token count or None")
+        if self.startup_timeout_s <= 0:
+            bad("startup_timeout_s", self.startup_timeout_s, "> 0 seconds")
+        if self.stop_timeout_s < 0:
+            bad("stop_timeout_s", self.stop_timeout_s, ">= 0 seconds")
+        if self.omp_num_threads < 1:
+            bad("omp_num_threads", self.omp_num_threads, "at least 1")
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in dict(self.env).items()))
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return tuple(self.base_port + i for i in range(self.num_servers))
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(f"http://{self.host}:{port}" for port in self.ports)
+
+    @property
+    def python_executable(self) -> str:
+        return self.python or str(CPU_VENV_PYTHON if self.device == "cpu" else sys.executable)
+
+    def command(self, port: int, model_path: str, weight_version: str) -> list[str]:
+        """The server's argv (launched through ``_LAUNCHER``); token ids in and out, no tokenizer."""
+        args = [self.python_executable, "-c", _LAUNCHER, "--model-path", model_path,
+                "--weight-version", weight_version, "--host", self.host, "--port", str(port),
+                "--dtype", self.dtype, "--device", self.device,
+                "--skip-tokenizer-init", "--skip-server-warmup"]
+        if self.device == "cpu":
+            args += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                     "--disable-cuda-graph", "--sleep-on-idle"]
+        if self.max_total_tokens is not None:
+            args += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.return_routed_experts:
+            args += ["--enable-return-routed-experts"]
+        return args + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["OMP_NUM_THREADS"] = str(self.omp_num_threads)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(CPU_STAND_IN_DIR), env.get("PYTHONPATH", "")) if p)
+        if self.logprob_kind == LogprobKind.RAW:
+            env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        else:
+            env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
+        env.update(self.env)
+        env["JAXRL_SGLANG_PARENT_PID"] = str(os.getpid())
+        return env
+
+
+@dataclasses.dataclass
+class _Server:
+    index: int
+    port: int
+    url: str
+    log_path: pathlib.Path
+    process: subprocess.Popen | None = None
+    starts: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class ServerManager:
+    """Owns ``config.num_servers`` SGLang servers. Use as a context manager or call ``stop()``.
+
+    Thread-safe: ``ensure_running(i)`` may be called from many request threads at
+    once; one of them restarts a dead server, the others wait for it.
+    """
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        log_dir = pathlib.Path(config.log_dir)
+        self._servers = [
+            _Server(i, port, url, log_dir / f"server-{i}-port-{port}.log")
+            for i, (port, url) in enumerate(zip(config.ports, config.urls))
+        ]
+        # All servers are spawned from this one long-lived thread: PR_SET_PDEATHSIG
+        # fires when the spawning *thread* exits, so a short-lived request thread
+        # must never be the parent.
+        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sglang-spawner")
+        self._stopped = False
+        self._model_path = config.model_path
+        self._weight_version = "default"
+        _LIVE_MANAGERS.add(self)
+        _install_exit_handlers()
+
+    # ----- lifecycle -------------------------------------------------------
+    def start(self) -> "ServerManager":
+        """Starts every server and waits until all answer ``/health``."""
+        self._check_model_path()
+        for server in self._servers:
+            self._check_port_free(server)
+        try:
+            for server in self._servers:
+                self._spawn(server)
+            for server in self._servers:
+                self._wait_healthy(server)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stops every server (SIGTERM, then SIGKILL to the group). Idempotent."""
+        for server in self._servers:
+            self._terminate(server)
+        self._stopped = True
+        self._spawner.shutdown(wait=False)
+        _LIVE_MANAGERS.discard(self)
+
+    def __enter__(self) -> "ServerManager":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ----- queries ---------------------------------------------------------
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self.config.urls
+
+    @property
+    def num_servers(self) -> int:
+        return len(self._servers)
+
+    def log_path(self, index: int) -> pathlib.Path:
+        return self._servers[index].log_path
+
+    def pid(self, index: int) -> int | None:
+        process = self._servers[index].process
+        return process.pid if process is not None else None
+
+    def is_running(self, index: int) -> bool:
+        process = self._servers[index].process
+        return process is not None and process.poll() is None
+
+    @property
+    def model_path(self) -> str:
+        """The checkpoint a (re)started server loads: the last one pushed, else the config's."""
+        return self._model_path
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def record_weights(self, model_path: str, weight_version: str) -> None:
+        """Remembers pushed weights so a restarted server comes back with them, not the initial ones."""
+        self._model_path, self._weight_version = model_path, weight_version
+
+    def restarts(self, index: int) -> int:
+        return max(self._servers[index].starts - 1, 0)
+
+    def describe(self, index: int) -> str:
+        """One line naming server ``index`` for error messages."""
+        server = self._servers[index]
+        return f"SGLang server {index} at {server.url} (log: {server.log_path})"
+
+    # ----- recovery --------------------------------------------------------
+    def ensure_running(self, index: int) -> bool:
+        """Restarts server ``index`` if its process died; True when it restarted it.
+
+        A server whose process is alive is left alone (a slow or failing request
+        is the client's retry to handle).
+        """
+        server = self._servers[index]
+        with server.lock:
+            if self._stopped:
+                raise RuntimeError(f"{self.describe(index)}: the manager was stopped")
+            if self.is_running(index):
+                return False
+            self._terminate(server)
+            self._spawn(server)
+            self._wait_healthy(server)
+            return True
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` to server ``index``'s whole process group (tests, drills)."""
+        process = self._servers[index].process
+        if process is not None:
+            _signal_group(process, sig)
+
+    # ----- internals -------------------------------------------------------
+    def _check_model_path(self) -> None:
+        path = pathlib.Path(self._model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"ServerConfig.model_path: {str(path)!r} has no config.json "
+                f"({'folder does not exist' if not path.exists() else 'not a Hugging Face checkpoint'}); "
+                "expected a folder written by jaxrl.models.hf.save_hf_checkpoint or save_pretrained")
+        python = self.config.python_executable
+        if not pathlib.Path(python).exists():
+            raise FileNotFoundError(
+                f"ServerConfig.python: {str(python)!r} does not exist; on CPU run "
+                "scripts/setup_sglang_cpu.sh, on GPUs pip install -e '.[sglang]'")
+
+    def _check_port_free(self, server: _Server) -> None:
+        with socket.socket() as sock:
+            try:
+                sock.bind((self.config.host, server.port))
+            except OSError as err:
+                raise ServerStartError(
+                    f"{self.describe(server.index)}: port {server.port} is taken ({err}); choose "
+                    "another ServerConfig.base_port or stop what listens there") from None
+
+    def _spawn(self, server: _Server) -> None:
+        server.log_path.parent.mkdir(parents=True, exist_ok=True)
+        server.starts += 1
+        with open(server.log_path, "a") as log:
+            log.write(f"\n===== jaxrl: start #{server.starts} of server {server.index} "
+                      f"at {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
+            log.flush()
+            command = self.config.command(server.port, self._model_path, self._weight_version)
+            environment = self.config.environment()
+            server.process = self._spawner.submit(
+                subprocess.Popen, command, env=environment, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            ).result()
+
+    def _wait_healthy(self, server: _Server) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            if server.process.poll() is not None:
+                raise ServerStartError(
+                    f"{self.describe(server.index)} exited with code {server.process.returncode} "
+                    f"while starting; last log lines:\n{_tail(server.log_path)}")
+            try:
+                if requests.get(server.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                self._terminate(server)
+                raise ServerStartError(
+                    f"{self.describe(server.index)} did not answer /health within "
+                    f"{self.config.startup_timeout_s:.0f} s (ServerConfig.startup_timeout_s); "
+                    f"last log lines:\n{_tail(server.log_path)}")
+            time.sleep(0.5)
+
+    def _terminate(self, server: _Server) -> None:
+        process = server.process
+        if process is None:
+            return
+        if process.poll() is None:
+            _signal_group(process, signal.SIGTERM)
+            try:
+                process.wait(self.config.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # SGLang's scheduler and detokenizer share the group; kill stragglers too.
+        _signal_group(process, signal.SIGKILL)
+        process.wait()
+        server.process = None
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: pathlib.Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as err:
+        return f"(cannot read {path}: {err})"
+
+
+_LIVE_MANAGERS: "weakref.WeakSet[ServerManager]" = weakref.WeakSet()
+_EXIT_HANDLERS_INSTALLED = False
+
+
+def _stop_all_managers() -> None:
+    for manager in list(_LIVE_MANAGERS):
+        manager.stop()
+
+
+def _on_fatal_signal(signum, frame) -> None:
+    _stop_all_managers()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_exit_handlers() -> None:
+    """atexit always; SIGTERM/SIGHUP only from the main thread and only when nobody else handles them."""
+    global _EXIT_HANDLERS_INSTALLED
+    if _EXIT_HANDLERS_INSTALLED:
+        return
+    _EXIT_HANDLERS_INSTALLED = True
+    atexit.register(_stop_all_managers)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _on_fatal_signal)
