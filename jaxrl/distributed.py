@@ -208,26 +208,34 @@ def parse_args(
     return config, rest
 
 
-def _jax_detected_cluster(method: str) -> str | None:
-    """Name of the cluster JAX's own detection finds, or None.
+def _detect_cluster(config: DistributedConfig) -> tuple[DistributedConfig, str] | None:
+    """The settings JAX's own cluster detection finds (filling what ``config`` leaves unset), or None.
 
     JAX has no public "which cluster am I in" query, and ``initialize()`` with
     nothing to find raises a bare "coordinator_address should be defined", so
-    this asks the same registry JAX consults.
+    this asks the same registry JAX consults; the result then goes through the
+    same checks as explicit settings.
     """
     from jax._src import clusters  # noqa: PLC0415 (private; see docstring)
 
     for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001
         name = getattr(env, "name", None)
-        if name is None or (method == "auto" and env.opt_in_only_method):
-            continue
-        if method not in ("auto", name):
+        if name is None or config.cluster not in ("auto", name) or (config.cluster == "auto" and env.opt_in_only_method):
             continue
         try:
-            if env.is_env_present():
-                return name
+            present = env.is_env_present()
         except Exception:  # a detector that cannot run here (no metadata server, no mpi4py) found nothing
-            continue
+            present = False
+        if present:
+            address, count, index, device_ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+                config.coordinator_address, config.num_processes, config.process_id,
+                None if config.local_device_ids is None else list(config.local_device_ids), name, config.timeout_s,
+            )
+            detected = dataclasses.replace(
+                config, coordinator_address=address, num_processes=count, process_id=index,
+                local_device_ids=None if device_ids is None else tuple(device_ids),
+            )
+            return detected, name
     return None
 
 
@@ -325,39 +333,35 @@ def initialize(config: DistributedConfig | None = None) -> ProcessInfo:
     devices already exist, ValueError for settings that contradict each other.
     """
     config = config_from_env() if config is None else config
-    method = _choose_method(config)
-    if method == "single":
-        return _process_info(None, method)
+    config, method = _resolve(config)
+    if method == "single" or config.num_processes == 1:
+        return _process_info(None, "single")
     if _backends_started():
         raise RuntimeError(
             "jaxrl.distributed.initialize() must run before anything creates JAX devices (jax.devices(), "
             "an array, a jit call at import time); call it first thing in the command's main"
         )
+    if config.process_id == 0:
+        _check_coordinator_can_start(config.coordinator_address)
+    else:
+        _wait_for_coordinator(config.coordinator_address, config.timeout_s)
     # Multi-process CPU runs need a cross-process collective implementation;
     # the setting is inert on GPU and TPU.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs: dict[str, Any] = dict(
-        coordinator_address=config.coordinator_address,
-        num_processes=config.num_processes,
-        process_id=config.process_id,
-        local_device_ids=list(config.local_device_ids) if config.local_device_ids is not None else None,
-        initialization_timeout=config.timeout_s,
-    )
-    if method == "explicit":
-        kwargs["cluster_detection_method"] = "deactivate"
-        if config.process_id == 0:
-            _check_coordinator_can_start(config.coordinator_address)
-        else:
-            _wait_for_coordinator(config.coordinator_address, config.timeout_s)
-    elif config.cluster != "auto":
-        kwargs["cluster_detection_method"] = config.cluster
-    timer = _warn_before_join_timeout(config, config.coordinator_address or f"the one {method} names")
+    timer = _warn_before_join_timeout(config, config.coordinator_address)
     try:
-        jax.distributed.initialize(**kwargs)
+        jax.distributed.initialize(
+            coordinator_address=config.coordinator_address,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+            local_device_ids=None if config.local_device_ids is None else list(config.local_device_ids),
+            cluster_detection_method="deactivate",
+            initialization_timeout=config.timeout_s,
+        )
     finally:
         timer.cancel()
-    info = _process_info(_jax_state().coordinator_address, method)
-    if config.num_processes is not None and info.process_count != config.num_processes:
+    info = _process_info(config.coordinator_address, method)
+    if info.process_count != config.num_processes:
         raise ValueError(
             f"num_processes={config.num_processes} but JAX joined {info.process_count} processes; "
             f"set --num-processes / {ENV_NUM_PROCESSES} to the number of processes launched"
@@ -365,34 +369,39 @@ def initialize(config: DistributedConfig | None = None) -> ProcessInfo:
     return info
 
 
-def _choose_method(config: DistributedConfig) -> str:
+def _resolve(config: DistributedConfig) -> tuple[DistributedConfig, str]:
+    """Complete settings and how they were found: "explicit", a cluster name, or "single"."""
     if config.explicit:
-        return "single" if config.num_processes == 1 else "explicit"
+        return config, "explicit"
     given = {
-        "--coordinator-address": config.coordinator_address,
-        "--num-processes": config.num_processes,
-        "--process-id": config.process_id,
+        f"--coordinator-address (or {ENV_COORDINATOR_ADDRESS})": config.coordinator_address,
+        f"--num-processes (or {ENV_NUM_PROCESSES})": config.num_processes,
+        f"--process-id (or {ENV_PROCESS_ID})": config.process_id,
     }
+    missing = ", ".join(flag for flag, value in given.items() if value is None)
+    alone = config.num_processes in (None, 1) and config.coordinator_address is None
     if config.cluster == "none":
-        if config.num_processes in (None, 1) and config.coordinator_address is None:
-            return "single"
-        missing = [flag for flag, value in given.items() if value is None]
-        raise ValueError(f"--cluster none needs explicit settings: missing {', '.join(missing)}")
-    found = _jax_detected_cluster(config.cluster)
-    if found is not None:
-        return found
+        if alone:
+            return config, "single"
+        raise ValueError(f"--cluster none needs explicit settings: missing {missing}")
+    detected = _detect_cluster(config)
+    if detected is not None:
+        resolved, name = detected
+        if resolved.explicit:
+            return resolved, name
+        missing = ", ".join(flag for flag, value in zip(given, (
+            resolved.coordinator_address, resolved.num_processes, resolved.process_id)) if value is None)
+        raise ValueError(f"JAX detected a {name} cluster but could not find {missing}; give them explicitly")
     if config.cluster != "auto":
         raise ValueError(
             f"--cluster {config.cluster} (or {ENV_CLUSTER}) was asked for but JAX does not detect that cluster "
             f"here; launch inside it, or give --coordinator-address, --num-processes and --process-id instead"
         )
-    if config.num_processes in (None, 1) and config.coordinator_address is None:
-        return "single"
-    missing = [f"{flag} (or {env})" for (flag, value), env in zip(
-        given.items(), (ENV_COORDINATOR_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID)) if value is None]
+    if alone:
+        return config, "single"
     raise ValueError(
         f"several processes need all of --coordinator-address, --num-processes and --process-id, and no "
-        f"cluster JAX can detect (SLURM, TPU pod) was found; missing {', '.join(missing)}"
+        f"cluster JAX can detect (SLURM, TPU pod) was found; missing {missing}"
     )
 
 

@@ -101,7 +101,7 @@ def test_main_process_only_runs_on_process_zero():
 
 # Runs in a fresh process: initialize() must come before any device exists.
 _BAD_COORDINATORS = r"""
-import json, sys, time
+import json, os, sys, time
 from jaxrl import distributed
 from jaxrl.distributed import DistributedConfig
 closed_port, busy_port = int(sys.argv[1]), int(sys.argv[2])
@@ -119,6 +119,15 @@ for name, config in cases.items():
         report[name] = ["no error", 0.0]
     except Exception as error:
         report[name] = [f"{type(error).__name__}: {error}", time.monotonic() - start]
+slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "127.0.0.1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
+for name, tasks in (("slurm_two_tasks", "2"), ("slurm_one_task", "1")):  # "single" starts the devices
+    os.environ.update(slurm, SLURM_NTASKS=tasks, SLURM_PROCID=str(int(tasks) - 1))
+    try:
+        report[name] = [distributed.initialize(DistributedConfig(timeout_s=2)).method, 0.0]
+    except Exception as error:
+        report[name] = [f"{type(error).__name__}: {error}", 0.0]
+for key in list(slurm) + ["SLURM_NTASKS"]:
+    del os.environ[key]
 import jax
 jax.devices()
 try:
@@ -150,3 +159,8 @@ def test_bad_coordinators_are_clear_errors_naming_the_address_within_the_timeout
     message, _ = report["unknown_host"]
     assert "no-such-host.invalid" in message and "does not resolve" in message
     assert "must run before anything creates JAX devices" in report["after_devices"][0]
+    # Under SLURM JAX's detection finds the settings: one task is one process; with two,
+    # task 1 waits for the coordinator JAX derives (first node, port from the job id).
+    assert report["slurm_one_task"][0] == "single"
+    assert report["slurm_two_tasks"][0].startswith(
+        f"CoordinatorUnreachableError: cannot reach the coordinator at 127.0.0.1:{7 % 4096 + 61440} (process 0)")
