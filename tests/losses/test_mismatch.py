@@ -117,7 +117,8 @@ def test_bucketed_by_rollout_prob():
     np.testing.assert_allclose(got["mismatch_bucket_prob_pearson"][8], 1.0, rtol=1e-5)
 
     # Custom edges; probabilities outside [edges[0], edges[-1]] fall in no bucket.
-    got = M.mismatch_metrics_by_rollout_prob(jnp.float32(old), jnp.float32(rollout), mask, edges=(1e-8, 0.1, 0.6))
+    by_prob = jax.jit(lambda o, r, m: M.mismatch_metrics_by_rollout_prob(o, r, m, edges=(1e-8, 0.1, 0.6)))
+    got = by_prob(jnp.float32(old), jnp.float32(rollout), mask)
     np.testing.assert_array_equal(got["mismatch_bucket_num_tokens"], [2, 1])
 
 
