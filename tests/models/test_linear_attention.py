@@ -65,6 +65,10 @@ def random_inputs(seed, batch=2, length=11, heads=3, dk=4, dv=5):
     return q, k, v, g, beta, log_decay, state
 
 
+lightning = jax.jit(la.lightning_attention, static_argnames="chunk_size")
+delta_rule = jax.jit(la.gated_delta_rule, static_argnames="chunk_size")
+
+
 @nnx.jit
 def forward(layer, x, state=None):
     return layer(x, state)
@@ -83,7 +87,7 @@ def f64(*xs):
 @pytest.mark.parametrize("chunk_size", [1, 4, 16])  # T=11: divides, does not, one padded chunk
 def test_lightning_chunked_matches_quadratic_reference(chunk_size):
     q, k, v, _, _, log_decay, _ = random_inputs(0)
-    out, state = jax.jit(la.lightning_attention, static_argnames="chunk_size")(q, k, v, log_decay, chunk_size=chunk_size)
+    out, state = lightning(q, k, v, log_decay, chunk_size=chunk_size)
     ref_out, ref_state = naive_lightning(np, *f64(q, k, v, log_decay))
     np.testing.assert_allclose(out, ref_out, **TOL)
     np.testing.assert_allclose(state, ref_state, **TOL)
@@ -93,9 +97,7 @@ def test_lightning_chunked_matches_quadratic_reference(chunk_size):
 @pytest.mark.parametrize("chunk_size", [4, 11, 16])
 def test_delta_chunked_matches_loop_reference(chunk_size):
     q, k, v, g, beta, _, state0 = random_inputs(1)
-    out, state = jax.jit(la.gated_delta_rule, static_argnames="chunk_size")(
-        q, k, v, g, beta, chunk_size=chunk_size, initial_state=state0
-    )
+    out, state = delta_rule(q, k, v, g, beta, chunk_size=chunk_size, initial_state=state0)
     ref_out, ref_state = naive_delta(np, *f64(q, k, v, g, beta, state0))
     np.testing.assert_allclose(out, ref_out, **TOL)
     np.testing.assert_allclose(state, ref_state, **TOL)
@@ -103,9 +105,9 @@ def test_delta_chunked_matches_loop_reference(chunk_size):
 
 def test_lightning_initial_state_continues_the_sequence():
     q, k, v, _, _, log_decay, _ = random_inputs(2, length=12)
-    full, full_state = la.lightning_attention(q, k, v, log_decay, chunk_size=4)
-    first, mid_state = la.lightning_attention(q[:, :7], k[:, :7], v[:, :7], log_decay, chunk_size=3)
-    second, end_state = la.lightning_attention(
+    full, full_state = lightning(q, k, v, log_decay, chunk_size=4)
+    first, mid_state = lightning(q[:, :7], k[:, :7], v[:, :7], log_decay, chunk_size=3)
+    second, end_state = lightning(
         q[:, 7:], k[:, 7:], v[:, 7:], log_decay, chunk_size=3, initial_state=mid_state
     )
     np.testing.assert_allclose(np.concatenate([first, second], axis=1), full, **TOL)
@@ -115,8 +117,8 @@ def test_lightning_initial_state_continues_the_sequence():
 @pytest.mark.parametrize("chunk_size", [3, 4])  # T=12: divides and does not divide
 def test_chunked_equals_recurrent_token_by_token(chunk_size):
     q, k, v, g, beta, log_decay, state0 = random_inputs(3, length=12)
-    chunk_l, state_l = la.lightning_attention(q, k, v, log_decay, chunk_size=chunk_size, initial_state=state0)
-    chunk_d, state_d = la.gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, initial_state=state0)
+    chunk_l, state_l = lightning(q, k, v, log_decay, chunk_size=chunk_size, initial_state=state0)
+    chunk_d, state_d = delta_rule(q, k, v, g, beta, chunk_size=chunk_size, initial_state=state0)
     step_l, step_d = jax.jit(la.lightning_attention_step), jax.jit(la.gated_delta_rule_step)
     rec_l, rec_d = jnp.asarray(state0), jnp.asarray(state0)
     for t in range(q.shape[1]):
@@ -142,14 +144,19 @@ def test_gradients_of_chunked_forms_match_naive_references():
 
         return loss
 
-    lightning = objective(lambda q, k, v, d: la.lightning_attention(q, k, v, d, chunk_size=3))
-    lightning_ref = objective(lambda q, k, v, d: naive_lightning(jnp, q, k, v, d))
-    delta = objective(lambda *xs: la.gated_delta_rule(*xs[:5], chunk_size=3, initial_state=xs[5]))
-    delta_ref = objective(lambda *xs: naive_delta(jnp, *xs))
-    for fn, ref, args in [
-        (lightning, lightning_ref, (q, k, v, log_decay)),
-        (delta, delta_ref, (q, k, v, g, beta, state0)),
-    ]:
+    cases = [
+        (
+            objective(lambda q, k, v, d: la.lightning_attention(q, k, v, d, chunk_size=3)),
+            objective(lambda q, k, v, d: naive_lightning(jnp, q, k, v, d)),
+            (q, k, v, log_decay),
+        ),
+        (
+            objective(lambda *xs: la.gated_delta_rule(*xs[:5], chunk_size=3, initial_state=xs[5])),
+            objective(lambda *xs: naive_delta(jnp, *xs)),
+            (q, k, v, g, beta, state0),
+        ),
+    ]
+    for fn, ref, args in cases:
         argnums = tuple(range(len(args)))
         got, want = jax.jit(jax.grad(fn, argnums))(*args), jax.jit(jax.grad(ref, argnums))(*args)
         for a, b in zip(got, want):
@@ -160,7 +167,7 @@ def test_gradients_of_chunked_forms_match_naive_references():
 def test_state_is_float32_for_bfloat16_inputs():
     q, k, v, g, beta, log_decay, _ = random_inputs(6)
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-    out, state = la.gated_delta_rule(q, k, v, g, beta, chunk_size=4)
+    out, state = delta_rule(q, k, v, g, beta, chunk_size=4)
     assert out.dtype == jnp.bfloat16 and state.dtype == jnp.float32
     _, state = la.lightning_attention_step(q[:, 0], k[:, 0], v[:, 0], log_decay, state)
     assert state.dtype == jnp.float32
@@ -313,11 +320,11 @@ def test_decode_with_wrong_state_shape_names_it():
     layers = make_layers()
     x = jnp.ones((2, 1, 32))
     with pytest.raises(ValueError, match="state has shape"):
-        layers["lightning"].decode(x, jnp.zeros((2, 4, 8, 7)))
+        decode(layers["lightning"], x, jnp.zeros((2, 4, 8, 7)))
     good = layers["delta"].init_state(2)
     with pytest.raises(ValueError, match="state.conv"):
-        layers["delta"].decode(x, good._replace(conv=good.conv[:, :1]))
+        decode(layers["delta"], x, good._replace(conv=good.conv[:, :1]))
     with pytest.raises(ValueError, match="state has shape"):
-        layers["delta"].decode(x, good._replace(recurrent=good.recurrent[:1]))
+        decode(layers["delta"], x, good._replace(recurrent=good.recurrent[:1]))
     with pytest.raises(ValueError, match="one token"):
         layers["lightning"].decode(jnp.ones((2, 3, 32)), layers["lightning"].init_state(2))
