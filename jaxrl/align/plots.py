@@ -33,7 +33,8 @@ def _turn_groups(turns: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
     return [g for g in groups if g[1].any()]
 
 
-def _save(fig, path: str) -> str:
+def save_figure(fig, path: str) -> str:
+    """Writes `fig` to `path` (PNG) and closes it; returns the path."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -52,7 +53,7 @@ def prob_scatter(batch: AlignmentBatch, path: str) -> str:
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="rollout probability", ylabel="learner probability",
            title=f"token probabilities ({view.rollout.size} model tokens)")
     ax.legend(loc="upper left", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def log_ppl_scatter(batch: AlignmentBatch, path: str) -> str:
@@ -70,7 +71,7 @@ def log_ppl_scatter(batch: AlignmentBatch, path: str) -> str:
     ax.plot([0, hi], [0, hi], color="black", lw=0.8, ls="--", label="equal")
     ax.set(xlabel="rollout log-ppl", ylabel="learner log-ppl", title="per-sequence log-perplexity")
     ax.legend(loc="upper left", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def mismatch_vs_prob(batch: AlignmentBatch, path: str) -> str:
@@ -96,7 +97,7 @@ def mismatch_vs_prob(batch: AlignmentBatch, path: str) -> str:
     ax.set(xlim=(1e-9, 1.5), xlabel="rollout probability",
            ylabel="log(learner prob / rollout prob)", title="mismatch vs rollout probability")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def log_ratio_histogram(batch: AlignmentBatch, path: str) -> str:
@@ -109,7 +110,7 @@ def log_ratio_histogram(batch: AlignmentBatch, path: str) -> str:
     ax.hist(log_ratio, bins=bins, color="tab:blue", log=True)
     ax.set(xlabel="log(learner prob / rollout prob)", ylabel="tokens",
            title=f"per-token log-ratio (max |.| = {span:.3g})")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 FIGURES = {
