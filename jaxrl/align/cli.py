@@ -87,6 +87,94 @@ def _read_prompts(path: str) -> list[list[int]]:
     return prompts
 
 
+def _load_model(args, mesh=None):
+    from jaxrl.models.hf import load_hf_checkpoint
+
+    overrides = {"dtype": args.dtype} if args.dtype else {}
+    return load_hf_checkpoint(args.model, mesh=mesh, **overrides)
+
+
+def _parse_mesh(text: str | None):
+    if not text:
+        return None
+    from jaxrl.models.sharding import MeshConfig, make_mesh
+
+    sizes = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise ValueError(f"--mesh {text!r}: expected AXIS=SIZE[,AXIS=SIZE...], e.g. fsdp=2,tensor=2")
+        sizes[name.strip()] = int(value)
+    return make_mesh(MeshConfig.from_dict(sizes))
+
+
+def _cmd_run(args) -> int:
+    from jaxrl.align.check import collect, score_with_learner
+    from jaxrl.rollout.base import SamplingParams
+    from jaxrl.rollout.sampler import JaxSampler
+
+    mesh = _parse_mesh(args.mesh)
+    model = _load_model(args, mesh)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_id),
+                            seed=args.seed, logprob_kind=args.logprob_kind)
+    engine = JaxSampler(model, max_cache_len=args.max_cache_len, max_batch=args.max_batch, mesh=mesh)
+    batch = score_with_learner(model, collect(engine, _read_prompts(args.prompts), params, args.n), mesh)
+    if args.save_dump:
+        batch.save(args.save_dump)
+    return _finish(batch, args)
+
+
+def _cmd_localize(args) -> int:
+    import os
+
+    import numpy as np
+
+    from jaxrl.align import localize
+
+    prompts = _read_prompts(args.prompts)[:args.batch]
+    length = min(len(p) for p in prompts)
+    if length < 2:
+        raise ValueError(f"{args.prompts}: localisation needs prompts of at least 2 tokens; the shortest has {length}")
+    ids = np.array([p[:length] for p in prompts], np.int32)  # equal lengths: no padding in either path
+    model = _load_model(args)
+    reference = localize.prefill_activations(model, ids)
+    if args.path == "decode":
+        other = localize.decode_activations(model, ids, args.prompt_length or max(1, length // 2))
+        labels = ("learner prefill", "sampler decode")
+    elif args.path == "mesh":
+        mesh = _parse_mesh(args.mesh or "fsdp=2,tensor=2")
+        other = localize.prefill_activations(model, ids, mesh=mesh)
+        labels = ("learner prefill", f"prefill on mesh {args.mesh or 'fsdp=2,tensor=2'}")
+    else:
+        import torch
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, attn_implementation="eager", dtype=torch.float32).eval()
+        other = localize.hf_activations(hf, ids)
+        labels = ("jaxrl learner", "transformers")
+    result = localize.compare_activations(reference, other, rtol=args.rtol, atol=args.atol, labels=labels)
+    os.makedirs(args.out, exist_ok=True)
+    table = result.table()
+    with open(os.path.join(args.out, "localization.txt"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(args.out, "localization.json"), "w") as f:
+        json.dump(result.to_json(), f, indent=2)
+    result.plot(os.path.join(args.out, "localization.png"))
+    print(table)
+    print(f"written to {args.out}")
+    return 0 if result.first_divergence is None else 1
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="transformers Qwen3 / Qwen3-MoE checkpoint folder")
+    p.add_argument("--prompts", required=True, help="JSON lines of token-id lists (or {\"prompt_ids\": [...]})")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="matmul compute dtype (default: the model's)")
+    p.add_argument("--mesh", help="mesh sizes, e.g. fsdp=2,tensor=2 (default: one device)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxrl align", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,6 +184,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder")
     _add_gate_options(p)
     p.set_defaults(run=_cmd_report)
+
+    p = sub.add_parser("run", help="sample with the embedded JAX sampler, recompute with the learner, report")
+    _add_model_options(p)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logprob-kind", choices=("raw", "processed"), default="raw",
+                   help="which distribution the engine's logprobs are of (raw is what the learner recomputes)")
+    p.add_argument("--max-cache-len", type=int, default=None)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--save-dump", help="also write the scored batch to this .npz")
+    _add_gate_options(p)
+    p.set_defaults(run=_cmd_run)
+
+    p = sub.add_parser("localize", help="first layer/module where two paths' activations differ")
+    _add_model_options(p)
+    p.add_argument("--path", choices=("decode", "mesh", "hf"), default="decode",
+                   help="learner prefill vs: sampler decode, prefill on --mesh, or the transformers model")
+    p.add_argument("--prompt-length", type=int, help="decode: tokens prefilled before decoding (default half)")
+    p.add_argument("--batch", type=int, default=8, help="prompts used (cut to the shortest one's length)")
+    p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--atol", type=float, default=0.0)
+    p.set_defaults(run=_cmd_localize)
     return parser
 
 

@@ -165,6 +165,10 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, row_keys, temperature
     return tokens, raw, processed, lengths, done, routes
 
 
+# One jit for every sampler instance: samplers of equal models share compiled buckets.
+_generate_jit = jax.jit(_generate, static_argnums=(0,), static_argnames=("new_token_bucket", "cache_len"))
+
+
 class JaxSampler(RolloutEngine):
     """In-process sampler over a ``jaxrl.models.Decoder`` (see the module doc).
 
@@ -194,7 +198,6 @@ class JaxSampler(RolloutEngine):
         self.mesh = mesh
         self._graphdef, self._state = nnx.split(model)
         self._version = str(weight_version)
-        self._jitted = jax.jit(_generate, static_argnums=(0,), static_argnames=("new_token_bucket", "cache_len"))
 
     # ------------------------------------------------------------------ weights
     @property
@@ -283,7 +286,7 @@ class JaxSampler(RolloutEngine):
             args = jax.device_put(args, batch_shardings(args, self.mesh))
         scalars = (jnp.asarray(params.temperature, F32), jnp.asarray(params.top_k, jnp.int32),
                    jnp.asarray(params.top_p, F32), jnp.asarray(stop), jnp.asarray(params.max_new_tokens, jnp.int32))
-        call = lambda: self._jitted(self._graphdef, self._state, *args, *scalars,
+        call = lambda: _generate_jit(self._graphdef, self._state, *args, *scalars,
                                     new_token_bucket=new_bucket, cache_len=cache_len)
         if self.mesh is not None:
             with jax.set_mesh(self.mesh):

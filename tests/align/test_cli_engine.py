@@ -1,0 +1,53 @@
+"""`jaxrl align run` / `localize` end to end on a tiny checkpoint written to disk."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.align.cli import main
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.decoder import Decoder
+from jaxrl.models.hf import save_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x, nnx.state(model)))
+    save_hf_checkpoint(model, str(folder / "model"))
+    prompts = folder / "prompts.jsonl"
+    rows = [[1, 2, 3, 4, 5], {"prompt_ids": [6, 7, 8, 9, 10, 11]}, [12, 13, 14, 15, 16], [17, 18, 19, 20, 21]]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(folder / "model"), str(prompts)
+
+
+def test_run_raw_passes_and_processed_bias_fails_the_gate(checkpoint, tmp_path):
+    model, prompts = checkpoint
+    common = ["run", "--model", model, "--prompts", prompts, "--n", "2", "--max-new-tokens", "8",
+              "--max-batch", "8", "--max-cache-len", "64", "--temperature", "0.7", "--top-k", "8", "--max-k3", "1e-6"]
+    dump = tmp_path / "batch.npz"
+    assert main(common + ["--out", str(tmp_path / "raw"), "--save-dump", str(dump), "--no-figures"]) == 0
+    report = json.loads((tmp_path / "raw" / "report.json").read_text())
+    assert report["overall"]["num_tokens"] == 64 and report["gate"]["passed"]
+    assert report["meta"]["logprob_kind"] == "raw"
+    # PROCESSED logprobs (T=0.7, top-k 8) are of another distribution than the learner's raw
+    # recompute: the checker must see the bias (SPEC section 5, the TRL top-p issue).
+    assert main(common + ["--out", str(tmp_path / "proc"), "--logprob-kind", "processed", "--no-figures"]) == 1
+    assert main(["report", str(dump), "--out", str(tmp_path / "again"), "--no-figures", "--max-k3", "1e-6"]) == 0
+
+
+def test_localize_decode_path_and_bad_prompts(checkpoint, tmp_path):
+    model, prompts = checkpoint
+    out = tmp_path / "loc"
+    assert main(["localize", "--model", model, "--prompts", prompts, "--out", str(out), "--path", "decode"]) == 0
+    result = json.loads((out / "localization.json").read_text())
+    assert result["first_divergence"] is None and (out / "localization.png").stat().st_size > 5000
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('[1, 2]\n"oops"\n')
+    assert main(["localize", "--model", model, "--prompts", str(bad), "--out", str(out)]) == 2
