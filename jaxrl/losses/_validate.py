@@ -51,24 +51,22 @@ def check_rank(name: str, x: Any, rank: int | Iterable[int]) -> None:
         )
 
 
+def _check_dtype_kind(name: str, x: Any, kind, label: str, cast: str) -> None:
+    dtype = _dtype(x)
+    if not jnp.issubdtype(dtype, kind):
+        raise ValueError(
+            f"{name} has dtype {dtype} but {label} dtype was expected; cast it with .astype({cast})"
+        )
+
+
 def check_floating(name: str, x: Any) -> None:
     """Checks ``x`` has a floating dtype (float16/bfloat16/float32/float64)."""
-    dtype = _dtype(x)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-            f"{name} has dtype {dtype} but a floating dtype was expected; "
-            f"cast it with .astype(jnp.float32)"
-        )
+    _check_dtype_kind(name, x, jnp.floating, "a floating", "jnp.float32")
 
 
 def check_integer(name: str, x: Any) -> None:
     """Checks ``x`` has an integer dtype (e.g. group ids, turn ids)."""
-    dtype = _dtype(x)
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(
-            f"{name} has dtype {dtype} but an integer dtype was expected; "
-            f"cast it with .astype(jnp.int32)"
-        )
+    _check_dtype_kind(name, x, jnp.integer, "an integer", "jnp.int32")
 
 
 def check_mask(name: str, x: Any) -> None:

@@ -1,5 +1,6 @@
 """KL estimators and regularisers against SPEC figures, closed-form gradients and exact expectations."""
 
+import functools
 import warnings
 
 import jax
@@ -42,47 +43,49 @@ def _policy_logp(theta):
     return jax.nn.log_softmax(theta)
 
 
-def _score(y):
-    """Closed form of grad_theta log softmax(theta)[y] = onehot(y) - softmax(theta)."""
-    return jax.nn.one_hot(y, V) - jax.nn.softmax(THETA)
+@functools.partial(jax.jit, static_argnums=0)
+def _as_loss_grads(kind, ref_logp=REF_LOGP):
+    """[V, V]: row y is grad_theta of the as-loss term for the sampled token y."""
+    def grad_for(y):
+        def loss(theta):
+            lp = _policy_logp(theta)[y][None, None]
+            return jnp.sum(kl.kl_as_loss(kind, lp, ref_logp[y][None, None], jnp.ones((1, 1))))
+        return jax.grad(loss)(THETA)
+    return jax.vmap(grad_for)(jnp.arange(V))
 
 
-def _as_loss_grad(kind, y, ref_logp=REF_LOGP):
-    def loss(theta):
-        lp = _policy_logp(theta)[y][None, None]
-        return jnp.sum(kl.kl_as_loss(kind, lp, ref_logp[y][None, None], jnp.ones((1, 1))))
-    return jax.grad(loss)(THETA)
+def _scores():
+    """[V, V]: row y is the closed form grad_theta log softmax(theta)[y] = onehot(y) - softmax(theta)."""
+    return np.eye(V) - np.asarray(jax.nn.softmax(THETA))[None]
 
 
 def test_k2_as_loss_gradient_equals_k1_in_reward_gradient_on_policy():
-    logp = _policy_logp(THETA)
-    for y in range(V):
-        k1 = float(logp[y] - REF_LOGP[y])
-        expected = k1 * _score(y)  # the formula: c = log(pi/pi_ref) times the score
-        np.testing.assert_allclose(_as_loss_grad("k2-as-loss", y), expected, rtol=1e-5, atol=1e-7)
+    k1 = np.asarray(_policy_logp(THETA) - REF_LOGP)
+    expected = k1[:, None] * _scores()  # the formula: c = log(pi/pi_ref) times the score
+    np.testing.assert_allclose(_as_loss_grads("k2-as-loss"), expected, rtol=1e-5, atol=1e-7)
 
-        # k1 in reward: the penalty shapes a zero reward into -k1, then the policy
-        # loss at ratio 1 (old_logp = the same snapshot) carries it as an advantage.
+    # k1 in reward: the penalty shapes a zero reward into -k1, then the policy
+    # loss at ratio 1 (old_logp = the same snapshot) carries it as an advantage.
+    def reward_grad(y):
         def reward_loss(theta):
             lp = _policy_logp(theta)[y][None, None]
             shaped = kl.kl_in_reward(jnp.zeros((1, 1)), jax.lax.stop_gradient(lp), REF_LOGP[y][None, None],
                                      jnp.ones((1, 1)), coef=1.0)
             return jnp.sum(policy.ppo_clip_token_loss(lp, jax.lax.stop_gradient(lp), shaped, jnp.ones((1, 1)))[0])
-        np.testing.assert_allclose(jax.grad(reward_loss)(THETA), expected, rtol=1e-5, atol=1e-7)
+        return jax.grad(reward_loss)(THETA)
+    np.testing.assert_allclose(jax.jit(jax.vmap(reward_grad))(jnp.arange(V)), expected, rtol=1e-5, atol=1e-7)
 
 
 def test_k1_as_loss_warns_ignores_ref_and_has_zero_mean_gradient():
     with pytest.warns(UserWarning, match="does not regularise"):
-        grads = [_as_loss_grad("k1-as-loss", y) for y in range(V)]
+        grads = np.asarray(_as_loss_grads("k1-as-loss"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        other_ref = [_as_loss_grad("k1-as-loss", y, ref_logp=REF_LOGP[::-1] - 3.0) for y in range(V)]
-    for g, h, y in zip(grads, other_ref, range(V)):
-        np.testing.assert_array_equal(g, h)
-        np.testing.assert_allclose(g, _score(y), atol=1e-6)
+        other_ref = np.asarray(_as_loss_grads("k1-as-loss", REF_LOGP[::-1] - 3.0))
+    np.testing.assert_array_equal(grads, other_ref)
+    np.testing.assert_allclose(grads, _scores(), atol=1e-6)
     pi = np.asarray(jax.nn.softmax(THETA))
-    expected_grad = sum(pi[y] * np.asarray(grads[y]) for y in range(V))
-    np.testing.assert_allclose(expected_grad, np.zeros(V), atol=1e-6)
+    np.testing.assert_allclose(pi @ grads, np.zeros(V), atol=1e-6)  # exact expectation over y ~ pi
 
 
 def test_k3_as_loss_coefficient_is_one_minus_delta():
@@ -107,7 +110,7 @@ def test_minimax_coefficient_is_bounded_and_its_expected_gradient_is_the_mse_gra
     np.testing.assert_array_equal(extremes, [1.0, -1.0])
     # Expectation over y ~ pi of the per-sample gradient = grad of 0.5 sum_y (pi(y) - pi_ref(y))^2 (appendix eq. 66).
     pi = np.asarray(jax.nn.softmax(THETA))
-    expected_grad = sum(pi[y] * np.asarray(_as_loss_grad("minimax", y)) for y in range(V))
+    expected_grad = pi @ np.asarray(_as_loss_grads("minimax"))
     mse_grad = jax.grad(lambda t: 0.5 * jnp.sum((jax.nn.softmax(t) - jnp.exp(REF_LOGP)) ** 2))(THETA)
     np.testing.assert_allclose(expected_grad, mse_grad, rtol=1e-5, atol=1e-7)
 
