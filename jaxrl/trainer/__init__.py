@@ -1,0 +1,6 @@
+"""The trainer: RL update loop (SPEC section 7), SFT, checkpoints, metrics and plots.
+
+``jaxrl train CONFIG [key=value ...] [--resume]`` runs :class:`jaxrl.trainer.rl.RLTrainer`;
+``jaxrl sft CONFIG ...`` runs :class:`jaxrl.trainer.sft.SFTTrainer`. Modules import lazily
+(the loop needs the models, losses and rollout packages; checkpoints, metrics and plots don't).
+"""

@@ -1,0 +1,226 @@
+"""The trainer's typed config: one frozen dataclass per section, validated at load.
+
+A YAML file in ``configs/`` fills these sections; ``key=value`` overrides on the
+command line use the same dotted names (``optimizer.lr=1e-5``,
+``rollout.group_size=16``, ``objective.policy_loss=gspo``). Every loss, KL,
+entropy and mismatch option lives in the ``objective`` section, which is the loss
+library's own ``ObjectiveConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jaxrl.data.pipeline import DataConfig
+from jaxrl.losses.objective import ObjectiveConfig
+from jaxrl.models.config import ModelConfig
+from jaxrl.models.sharding import MeshConfig
+from jaxrl.reward import RewardConfig
+from jaxrl.rollout.base import LogprobKind
+from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig
+from jaxrl.trainer.checkpoint import CheckpointConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    """Where the initial weights come from: ``hf_path`` (a transformers Qwen3/Qwen3-MoE folder),
+    else ``init_from`` (an HF folder written by an earlier run, e.g. the SFT warm-up), else a
+    random init of ``architecture`` with ``init_seed``. ``dtype``/``param_dtype``/``remat``
+    override the architecture's."""
+
+    hf_path: str = ""
+    architecture: ModelConfig | None = None
+    init_seed: int = 0
+    dtype: Literal["float32", "bfloat16"] | None = None
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+    remat: Literal["none", "full", "save_dots", "save_attention_out"] | None = None
+
+    def __post_init__(self):
+        if not self.hf_path and self.architecture is None:
+            raise ValueError("model: give hf_path (a transformers folder) or architecture (for a random init)")
+
+    def overrides(self) -> dict[str, str]:
+        return {k: getattr(self, k) for k in ("dtype", "param_dtype", "remat") if getattr(self, k) is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangConfig:
+    """The SGLang engine: the server fleet, the weight push (with its probe check) and the HTTP client.
+    ``server.model_path`` is the HF folder the servers start from (the run's initial weights)."""
+
+    server: ServerConfig
+    push: PushConfig = PushConfig()
+    client: ClientConfig = ClientConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How samples are drawn.
+
+    engine: "embedded" (the in-process JAX sampler) or "sglang" (servers configured by the
+    ``sglang`` section; SGLang verifies its own pushes with its probe). prompts_per_step
+    prompts, group_size (G) samples each. logprob_kind: which distribution the engine
+    reports (raw = what the learner recomputes; SPEC 5). verify_push: after each
+    weight push, compare the engine's logprobs on a probe with the learner's; a
+    difference above ``push_tolerance`` (max |dlogp|) is an error.
+    """
+
+    engine: Literal["embedded", "sglang"] = "embedded"
+    prompts_per_step: int = 8
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    logprob_kind: LogprobKind = LogprobKind.RAW
+    verify_push: bool = True
+    push_tolerance: float = 1e-3
+    sglang: SGLangConfig | None = None
+
+    def __post_init__(self):
+        if self.engine == "sglang" and self.sglang is None:
+            raise ValueError("rollout.engine='sglang' needs a rollout.sglang section (server.model_path at least)")
+        if self.prompts_per_step < 1 or self.group_size < 1:
+            raise ValueError(
+                f"rollout.prompts_per_step ({self.prompts_per_step}) and rollout.group_size "
+                f"({self.group_size}) must be >= 1"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """estimator: one of the loss library's advantage estimators (SPEC 1); std clip for GRPO."""
+
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline"] = "grpo"
+    std_min: float = 0.1
+    std_max: float = 1e6
+    ddof: Literal[0, 1] = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """The update of SPEC section 7.
+
+    mini_batches: S optimizer steps per rollout batch (1 = on-policy). micro_batches: gradient
+    accumulation inside each optimizer step (same update as one big batch). Whether ``old_logp``
+    is recomputed or bypassed is ``objective.bypass``. reference_metrics: compute the reference
+    model's logprobs for the KL metrics even when the objective has no KL term.
+    """
+
+    mini_batches: int = 1
+    micro_batches: int = 1
+    reference_metrics: bool = False
+    logprob_chunk_size: int = 1024
+
+    def __post_init__(self):
+        if self.mini_batches < 1 or self.micro_batches < 1:
+            raise ValueError(
+                f"update.mini_batches ({self.mini_batches}) and update.micro_batches "
+                f"({self.micro_batches}) must be >= 1"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW (optax) with linear warm-up, then cosine decay to ``lr * min_lr_ratio`` or constant,
+    and global-norm gradient clipping (``clip_norm <= 0`` disables it)."""
+
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    schedule: Literal["cosine", "constant"] = "constant"
+    min_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"optimizer: lr ({self.lr}) must be > 0, warmup_steps ({self.warmup_steps}) >= 0, "
+                f"min_lr_ratio ({self.min_lr_ratio}) in [0, 1]"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out reward: every ``every`` steps (and before the first and after the last), on up
+    to ``max_prompts`` prompts of ``data.eval_files``, ``samples`` samples each, sampled like
+    training (``temperature`` None = the rollout's)."""
+
+    every: int = 0
+    max_prompts: int = 64
+    samples: int = 1
+    temperature: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    progress: bool = True
+    plots: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTStage:
+    """One stage of the SFT length curriculum: ``steps`` steps on sequences of at most
+    ``max_length`` tokens (Motif: 16K -> 32K -> 64K); longer rows wait for a later stage."""
+
+    steps: int
+    max_length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Supervised fine-tuning on prompt/response pairs (loss on response tokens only)."""
+
+    batch_size: int = 8
+    micro_batches: int = 1
+    stages: tuple[SFTStage, ...] = ()
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.micro_batches < 1 or self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"sft.batch_size ({self.batch_size}) must be >= 1 and divisible by sft.micro_batches "
+                f"({self.micro_batches})"
+            )
+        lengths = [s.max_length for s in self.stages]
+        if lengths != sorted(lengths):
+            raise ValueError(f"sft.stages max_length must not decrease, got {lengths}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A whole run. ``output_dir`` receives metrics, TensorBoard events, plots and (by default)
+    checkpoints. ``steps``: RL steps (outer iterations of SPEC 7)."""
+
+    output_dir: str
+    model: PolicyConfig
+    data: DataConfig
+    steps: int = 100
+    seed: int = 0
+    hardware: str = ""
+    mesh: MeshConfig = MeshConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    update: UpdateConfig = UpdateConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    sft: SFTConfig = SFTConfig()
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        sequences = self.rollout.prompts_per_step * self.rollout.group_size
+        split = self.update.mini_batches * self.update.micro_batches
+        if sequences % split:
+            raise ValueError(
+                f"rollout.prompts_per_step * rollout.group_size = {sequences} sequences per step must be "
+                f"divisible by update.mini_batches * update.micro_batches = {split}"
+            )

@@ -1,0 +1,428 @@
+"""The RL update loop (SPEC section 7): rollout, score, advantages, old/ref logprobs, S updates, push.
+
+Per outer step k:
+1. draw ``prompts_per_step`` prompts from the Grain iterator;
+2. generate ``group_size`` samples each with the rollout engine (current weights);
+3. score them with the per-task reward functions; unparsable samples (and samples whose
+   reward function raised) are masked out of the gradient and out of their group's
+   baseline when ``reward.mask_unparsable`` (Motif);
+4. compute advantages once (SPEC 1) from the scores;
+5. recompute ``old_logp`` on the learner, or bypass with the engine's logprobs;
+6. compute the reference model's logprobs when the objective's KL term needs them
+   (the reference parameters are held sharded, with no optimizer state);
+7. run ``update.mini_batches`` (S) optimizer steps over mini-batches of that fixed batch,
+   each with gradient accumulation over ``update.micro_batches``; the objective is the
+   loss library's ``rl_objective`` assembled from ``config.objective``;
+8. push the weights to the engine and verify the push on a probe;
+9. log every metric (JSONL, TensorBoard, progress bar), checkpoint every N steps.
+
+Everything random is derived from ``(config.seed, step)``, so a resumed run reproduces the
+uninterrupted one exactly (same samples, same updates) on CPU in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl.data import BatchIterator, load_examples, load_tokenizer
+from jaxrl.losses import advantages as advantage_lib
+from jaxrl.losses import batch_filter, kl_in_reward, loss_normalizer, mismatch_metrics, rl_objective
+from jaxrl.models import make_mesh, make_train_step, save_hf_checkpoint
+from jaxrl.reward import build_router
+from jaxrl.rollout.base import RolloutEngine, SamplingParams
+from jaxrl.trainer.checkpoint import Checkpointer
+from jaxrl.trainer.common import LogprobScorer, accumulate, build_model, build_optimizer, pack_sequences
+from jaxrl.trainer.config import TrainConfig
+from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
+from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
+
+log = logging.getLogger(__name__)
+
+_ADVANTAGES = {
+    "grpo": advantage_lib.grpo_advantages,
+    "dr_grpo": advantage_lib.dr_grpo_advantages,
+    "rloo": advantage_lib.rloo_advantages,
+    "reinforce": advantage_lib.reinforce_advantages,
+    "reinforce_pp_baseline": advantage_lib.reinforce_pp_baseline_advantages,
+}
+# Estimators that normalise by a group std take the std clip options.
+_STD_OPTIONS = {"grpo": ("std_min", "std_max", "ddof")}
+_GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+class PushVerificationError(RuntimeError):
+    """The engine's logprobs after a weight push disagree with the learner's."""
+
+
+def sequence_advantages(config, scores: np.ndarray, valid: np.ndarray, group_size: int) -> tuple[np.ndarray, dict]:
+    """[N] advantages for N = prompts * G samples in prompt-major order (SPEC 1).
+
+    Samples with ``valid == False`` (unparsable, masked) are moved to an extra group of their
+    own so they never shift another sample's baseline; their advantage is set to 0.
+    """
+    n = len(scores)
+    num_prompts = n // group_size
+    fn = _ADVANTAGES[config.estimator]
+    options = {k: getattr(config, k) for k in _STD_OPTIONS.get(config.estimator, ())}
+    rewards = jnp.asarray(scores, jnp.float32)
+    if config.estimator in _GROUPED:
+        group_ids = np.where(valid, np.arange(n) // group_size, num_prompts).astype(np.int32)
+        adv, metrics = fn(rewards, group_ids=jnp.asarray(group_ids), num_groups=num_prompts + 1, **options)
+    else:
+        adv, metrics = fn(rewards, **options)
+    adv = np.where(valid, np.asarray(adv), 0.0).astype(np.float32)
+    valid_groups = [valid[i * group_size:(i + 1) * group_size] for i in range(num_prompts)]
+    zero = sum(
+        1 for i, v in enumerate(valid_groups)
+        if v.any() and np.ptp(scores[i * group_size:(i + 1) * group_size][v]) == 0
+    )
+    return adv, {"advantage/zero_variance_group_fraction": zero / max(num_prompts, 1)}
+
+
+def make_engine(config: TrainConfig, model, mesh) -> tuple[RolloutEngine, Any]:
+    """(engine, server manager or None). The embedded sampler reads ``model``'s arrays by
+    reference; SGLang servers start from ``rollout.sglang.server.model_path``."""
+    r = config.rollout
+    if r.engine == "sglang":
+        from jaxrl.rollout.sglang import ServerManager, SGLangEngine
+
+        manager = ServerManager(r.sglang.server).start()
+        return SGLangEngine(manager, push=r.sglang.push, client=r.sglang.client), manager
+    from jaxrl.rollout.sampler import JaxSampler
+
+    sequences = r.prompts_per_step * r.group_size
+    return JaxSampler(model, mesh=mesh, max_batch=max(sequences, config.eval.max_prompts * config.eval.samples)), None
+
+
+class RLTrainer:
+    """Builds everything from a TrainConfig; ``run()`` trains and returns the final summary."""
+
+    def __init__(self, config: TrainConfig, *, resume: bool = False, engine: RolloutEngine | None = None):
+        self.config = config
+        self.resume = resume
+        os.makedirs(config.output_dir, exist_ok=True)
+        data = config.data
+        self.tokenizer = load_tokenizer(data.tokenizer)
+        self.examples, self.data_report = load_examples(data.train_files, data, self.tokenizer)
+        self.eval_examples = (
+            load_examples(data.eval_files, data, self.tokenizer)[0][: config.eval.max_prompts]
+            if data.eval_files else []
+        )
+        self.iterator = BatchIterator(
+            self.examples, config.rollout.prompts_per_step, seed=data.seed, shuffle=data.shuffle,
+            process_index=jax.process_index(), process_count=jax.process_count(),
+        )
+        self.router = build_router(config.reward)
+        self.mesh = make_mesh(config.mesh)
+        model = build_model(config.model, self.mesh)
+        self.model_config = model.config
+        self.length = data.max_prompt_tokens + config.rollout.max_new_tokens - 1
+        self.total_updates = config.steps * config.update.mini_batches
+        optimizer, self.schedule = build_optimizer(config.optimizer, self.total_updates)
+        self.train_step, self.state = make_train_step(
+            model, optimizer, accumulate(self._micro_loss, config.update.micro_batches), self.mesh)
+        graphdef = self.train_step.graphdef
+        sequences = config.rollout.prompts_per_step * config.rollout.group_size
+        rows = sequences // (config.update.mini_batches * config.update.micro_batches)
+        self.scorer = LogprobScorer(graphdef, self.mesh, rows, config.update.logprob_chunk_size)
+        self.needs_reference = config.objective.kl_kind != "none" or config.update.reference_metrics
+        # The frozen reference: a copy of the initial parameters, sharded like them, no optimizer state.
+        self.reference = jax.tree.map(jnp.copy, self.state["params"]) if self.needs_reference else None
+        self.step = 0
+        self.skipped_updates = 0
+        self.checkpointer = Checkpointer(config.checkpoint) if config.checkpoint.directory else None
+        if resume:
+            self._restore()
+        self.manager = None
+        if engine is None:
+            engine, self.manager = make_engine(config, self.model(), self.mesh)
+        self.engine = engine
+        if self.step > 0 or engine.weight_version != "0":
+            self.engine.update_weights(self.model(), version=str(self.step))
+        self.errors: list[str] = []
+
+    # ---------------------------------------------------------------- model views
+    def model(self):
+        """The learner as an nnx module over the current parameters (no copy)."""
+        return nnx.merge(self.train_step.graphdef, self.state["params"])
+
+    def _sampling(self, seed: int, temperature: float | None = None, **changes) -> SamplingParams:
+        r = self.config.rollout
+        return SamplingParams(
+            temperature=r.temperature if temperature is None else temperature, top_p=r.top_p, top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed,
+            logprob_kind=r.logprob_kind, **changes,
+        )
+
+    # ---------------------------------------------------------------- loss
+    def _micro_loss(self, model, batch, micro_index):
+        """The objective on one micro-batch (normalised by the mini-batch's global normalizer)."""
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.config.seed), batch["key_seed"]), micro_index)
+        logp, entropy, out = model.token_logprobs(
+            batch["input_ids"], batch["positions"], batch["segment_ids"], batch["targets"],
+            chunk_size=self.config.update.logprob_chunk_size,
+        )
+        loss, metrics = rl_objective(
+            self.config.objective, logp, batch["old_logp"], batch["advantages"], batch["mask"],
+            rollout_logp=batch["rollout_logp"], ref_logp=batch.get("ref_logp"), entropy=entropy,
+            normalizer=batch["normalizer"], key=key,
+        )
+        if self.config.objective.bypass:
+            # No recompute pass: on the first mini-batch the learner's logp *is* the recompute.
+            metrics.update(mismatch_metrics(jax.lax.stop_gradient(logp), batch["rollout_logp"], batch["mask"]))
+        if model.config.moe_layer_indices:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+            metrics = dict(metrics, moe_aux_loss=out.aux_loss)
+        return loss, metrics
+
+    # ---------------------------------------------------------------- one step
+    def _rollout(self, examples, seed: int, n: int, temperature: float | None = None):
+        prompts = [e.prompt_ids.tolist() for e in examples]
+        return self.engine.generate(prompts, self._sampling(seed, temperature), n=n)
+
+    def _score(self, examples, samples):
+        flat = [(e, s) for e, group in zip(examples, samples) for s in group]
+        responses = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for _, s in flat]
+        return self.router.score(
+            [e.prompt for e, _ in flat], responses, [s.output_ids.tolist() for _, s in flat],
+            [e.row for e, _ in flat], on_error=self.errors.append,
+        ), flat
+
+    def train_step_once(self) -> dict[str, Any]:
+        config, r, objective = self.config, self.config.rollout, self.config.objective
+        step = self.step + 1
+        timings = {}
+        t0 = time.perf_counter()
+        examples = next(self.iterator)
+        samples = self._rollout(examples, seed=_seed(config.seed, step), n=r.group_size)
+        timings["rollout"] = time.perf_counter() - t0
+
+        t = time.perf_counter()
+        scored, flat = self._score(examples, samples)
+        timings["reward"] = time.perf_counter() - t
+        valid = ~scored.unparsable if config.reward.mask_unparsable else np.ones(len(flat), bool)
+        batch = pack_sequences(
+            [e.prompt_ids for e, _ in flat], [s.output_ids for _, s in flat], self.length,
+            self.tokenizer.pad_token_id, completion_values=[s.output_logprobs for _, s in flat],
+        )
+        batch["rollout_logp"] = batch.pop("values")
+        batch["mask"] = batch["mask"] * valid[:, None]
+
+        t = time.perf_counter()
+        metrics: dict[str, Any] = {}
+        if objective.bypass:
+            batch["old_logp"] = batch["rollout_logp"]
+        else:
+            batch["old_logp"], entropy = self.scorer(self.state["params"], batch)
+            metrics["entropy"] = _masked_mean(entropy, batch["mask"])
+            metrics.update(mismatch_metrics(jnp.asarray(batch["old_logp"]), jnp.asarray(batch["rollout_logp"]),
+                                            jnp.asarray(batch["mask"])))
+        if self.needs_reference:
+            batch["ref_logp"] = self.scorer(self.reference, batch)[0]
+        timings["recompute"] = time.perf_counter() - t
+
+        rewards = scored.scores
+        if objective.kl_in_reward_coef > 0:
+            rewards = np.asarray(kl_in_reward(
+                jnp.asarray(rewards), jnp.asarray(batch["old_logp"]), jnp.asarray(batch["ref_logp"]),
+                jnp.asarray(batch["mask"]), coef=objective.kl_in_reward_coef))
+        adv, adv_metrics = sequence_advantages(config.advantage, rewards, valid, r.group_size)
+        batch["advantages"] = adv[:, None] * batch["mask"]
+
+        skip = False
+        if objective.batch_filter_threshold is not None and not objective.bypass:
+            skip, filter_metrics = batch_filter(
+                jnp.asarray(batch["old_logp"]), jnp.asarray(batch["rollout_logp"]), jnp.asarray(batch["mask"]),
+                threshold=objective.batch_filter_threshold, metric=objective.batch_filter_metric)
+            skip = bool(skip)
+            metrics.update(filter_metrics)
+        self.skipped_updates += int(skip)
+
+        t = time.perf_counter()
+        if not skip:
+            metrics.update(self._update(batch, step))
+        timings["update"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        push_metrics = self.engine.update_weights(self.model(), version=str(step))
+        if r.verify_push and r.engine == "embedded":
+            self.verify_push(examples[0])
+        timings["weight_push"] = time.perf_counter() - t
+        self.step = step
+
+        lengths = np.asarray([len(s.output_ids) for _, s in flat])
+        elapsed = time.perf_counter() - t0
+        metrics = {
+            **_reward_metrics(scored),
+            **adv_metrics,
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            **{_metric_name(k): v for k, v in metrics.items()},
+            **(push_metrics or {}),
+            "lr": float(self.schedule(max(step * config.update.mini_batches - 1, 0))),
+            "update/skipped_total": self.skipped_updates,
+            "data/bad_rows": self.data_report.bad_rows,
+            **{f"time/{k}": v for k, v in timings.items()},
+            "time/step": elapsed,
+            "tokens_per_second": float((batch["segment_ids"] > 0).sum()) / elapsed,
+        }
+        return metrics
+
+    def _update(self, batch: dict, step: int) -> dict[str, float]:
+        """S optimizer steps over mini-batches of the fixed batch (each micro-batch-accumulated)."""
+        u = self.config.update
+        n = batch["input_ids"].shape[0]
+        size = n // u.mini_batches
+        keys = ("input_ids", "positions", "segment_ids", "targets", "mask", "advantages", "old_logp",
+                "rollout_logp") + (("ref_logp",) if self.needs_reference else ())
+        mode = self.config.objective.aggregation
+        collected = []
+        for s in range(u.mini_batches):
+            mini = {k: batch[k][s * size:(s + 1) * size] for k in keys}
+            normalizer = float(loss_normalizer(mode, jnp.asarray(mini["mask"])))
+            mini["key_seed"] = np.int32(step * u.mini_batches + s)
+            mini["normalizer"] = np.float32(normalizer)
+            self.state, metrics = self.train_step(self.state, mini)
+            collected.append(jax.device_get(metrics))
+        # Mismatch metrics measured in the loss (bypass) are valid on the first mini-batch only,
+        # before any update; everything else is averaged over the S mini-batches.
+        return {k: float(collected[0][k]) if k.startswith("mismatch_") else float(np.mean([m[k] for m in collected]))
+                for k in collected[0]}
+
+    def verify_push(self, example) -> None:
+        """The engine's greedy sample on a probe must score the same under the learner (raw logprobs)."""
+        sample = self.engine.generate([example.prompt_ids.tolist()], self._sampling(0, temperature=0.0), n=1)[0][0]
+        probe = pack_sequences([example.prompt_ids], [sample.output_ids], self.length, self.tokenizer.pad_token_id,
+                               completion_values=[sample.output_logprobs])
+        learner, _ = self.scorer(self.state["params"], probe)
+        live = probe["mask"] > 0
+        diff = float(np.max(np.abs(learner[live] - probe["values"][live]), initial=0.0))
+        if diff > self.config.rollout.push_tolerance:
+            raise PushVerificationError(
+                f"after pushing weight version {self.engine.weight_version}, the engine's logprobs of a probe "
+                f"differ from the learner's by up to {diff:.3g} > rollout.push_tolerance="
+                f"{self.config.rollout.push_tolerance}; the push did not load the learner's weights"
+            )
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Held-out reward (same reward code as training) on ``data.eval_files``."""
+        if not self.eval_examples:
+            return {}
+        e = self.config.eval
+        samples = self._rollout(self.eval_examples, seed=_seed(self.config.seed, -1), n=e.samples,
+                                temperature=e.temperature)
+        scored, _ = self._score(self.eval_examples, samples)
+        return {"heldout/reward": float(scored.scores.mean()),
+                "heldout/unparsable": float(scored.unparsable.mean())}
+
+    # ---------------------------------------------------------------- checkpoints
+    def _meta(self) -> dict:
+        return {"step": self.step, "seed": self.config.seed, "data": self.iterator.state(),
+                "weight_version": str(self.step), "skipped_updates": self.skipped_updates}
+
+    def save(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.save(self.step, self.state, self._meta())
+
+    def _restore(self) -> None:
+        if self.checkpointer is None:
+            raise ValueError("--resume needs checkpoint.directory")
+        self.state, meta = self.checkpointer.restore(self.state)
+        if self.needs_reference:
+            log.warning("resume: the KL reference is the restored run's initial weights only if model.* points "
+                        "at the same initial checkpoint")
+        self.step = int(meta["step"])
+        self.skipped_updates = int(meta["skipped_updates"])
+        self.iterator.restore(meta["data"])
+
+    # ---------------------------------------------------------------- run
+    def run(self) -> dict[str, Any]:
+        config = self.config
+        logger = MetricsLogger(config.output_dir, config.steps, start_step=self.step,
+                               progress=config.logging.progress, tensorboard=config.logging.tensorboard)
+        summary: dict[str, Any] = {}
+        try:
+            if self.step == 0 and self.eval_examples:
+                start = self.evaluate()
+                summary["heldout_start"] = start.get("heldout/reward")
+                logger.log(0, start)
+            while self.step < config.steps:
+                metrics = self.train_step_once()
+                final = self.step == config.steps
+                if self.eval_examples and (final or (config.eval.every and self.step % config.eval.every == 0)):
+                    metrics.update(self.evaluate())
+                logger.log(self.step, metrics)
+                for message in self.errors:
+                    logger.write(f"step {self.step}: {message}")
+                self.errors.clear()
+                if self.checkpointer is not None and (final or self.checkpointer.should_save(self.step)):
+                    self.save()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+            if config.checkpoint.export_hf:
+                save_hf_checkpoint(self.model(), config.checkpoint.export_hf)
+                summary["hf_export"] = config.checkpoint.export_hf
+        finally:
+            logger.close()
+        rows = read_jsonl(logger.jsonl_path)
+        heldout = [row["heldout/reward"] for row in rows if row.get("heldout/reward") is not None]
+        if heldout:
+            summary.setdefault("heldout_start", heldout[0])
+            summary["heldout_end"] = heldout[-1]
+        if config.logging.plots:
+            summary["plots"] = plot_run(rows, os.path.join(config.output_dir, "plots"))
+        fit = fit_run_entropy_law(rows)
+        if fit is not None:
+            summary["entropy_law"] = {k: fit[k] for k in ("a", "b", "ceiling", "rmse")}
+        summary["metrics"] = logger.jsonl_path
+        return summary
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.engine.close()
+        if self.manager is not None:
+            self.manager.stop()
+
+
+def _seed(seed: int, step: int) -> int:
+    """A distinct, reproducible 31-bit sampling seed per (run seed, step)."""
+    return int(np.random.SeedSequence([seed, step + 1]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def _masked_mean(values: np.ndarray, mask: np.ndarray) -> float:
+    return float((values * mask).sum() / max(float(mask.sum()), 1.0))
+
+
+def _metric_name(name: str) -> str:
+    """Loss-library metric names -> logged names (``mismatch_k3`` -> ``mismatch/k3``)."""
+    for prefix in ("mismatch_", "batch_filter_"):
+        if name.startswith(prefix):
+            return f"{prefix[:-1]}/{name[len(prefix):]}"
+    return name
+
+
+def _reward_metrics(scored) -> dict[str, float]:
+    metrics = {
+        "reward/mean": float(scored.scores.mean()),
+        "reward/std": float(scored.scores.std()),
+        "accuracy": float((scored.scores >= 1.0).mean()),
+        "reward/unparsable_fraction": float(scored.unparsable.mean()),
+        "reward/raised": float(scored.raised.sum()),
+    }
+    tasks = np.asarray(scored.tasks)
+    for task in sorted(set(scored.tasks)):
+        values = scored.scores[tasks == task]
+        metrics[f"reward/{task}/mean"] = float(values.mean())
+        metrics[f"reward/{task}/std"] = float(values.std())
+    return metrics
