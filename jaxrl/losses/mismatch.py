@@ -435,7 +435,7 @@ def geo_rs(
     return keep.astype(_f32), keep, metrics
 
 
-_FILTER_METRICS = ("mismatch_k1", "mismatch_k2", "mismatch_k3", "mismatch_abs_log_ratio_mean",
+BATCH_FILTER_METRICS = ("mismatch_k1", "mismatch_k2", "mismatch_k3", "mismatch_abs_log_ratio_mean",
                    "mismatch_abs_log_ratio_max", "mismatch_prob_diff_mean", "mismatch_chi2_token",
                    "mismatch_chi2_seq", "mismatch_log_ppl_abs_diff_max")
 
@@ -463,7 +463,7 @@ def batch_filter(
       ``(skip bool scalar, metrics)``; metrics: ``batch_filter_skip`` (int32
       0/1) and ``batch_filter_value`` (the metric's value).
     """
-    check_choice("metric", metric, _FILTER_METRICS)
+    check_choice("metric", metric, BATCH_FILTER_METRICS)
     value = mismatch_metrics(old_logp, rollout_logp, mask)[metric]
     skip = value > threshold
     return skip, {"batch_filter_skip": skip.astype(jnp.int32), "batch_filter_value": value}

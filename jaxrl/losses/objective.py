@@ -31,7 +31,6 @@ KL_KINDS = ("none",) + kl_lib.KL_REGULARIZERS
 ENTROPY_CONTROLS = ("none", "clip-cov", "kl-cov")
 # "icepop" is token MIS under the name of the Ring-1T paper: the same two-sided band.
 MISMATCH_CORRECTIONS = ("none", "token-tis", "seq-tis", "token-mis", "icepop", "seq-mis", "geo-rs")
-BATCH_FILTER_METRICS = mismatch._FILTER_METRICS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +99,7 @@ class ObjectiveConfig:
         _validate.check_choice(key("kl_kind"), self.kl_kind, KL_KINDS)
         _validate.check_choice(key("entropy_control"), self.entropy_control, ENTROPY_CONTROLS)
         _validate.check_choice(key("mismatch_correction"), self.mismatch_correction, MISMATCH_CORRECTIONS)
-        _validate.check_choice(key("batch_filter_metric"), self.batch_filter_metric, BATCH_FILTER_METRICS)
+        _validate.check_choice(key("batch_filter_metric"), self.batch_filter_metric, mismatch.BATCH_FILTER_METRICS)
         for name in ("kl_off_policy_correction", "bypass"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{key(name)}={getattr(self, name)!r} but a bool (true/false) was expected")
