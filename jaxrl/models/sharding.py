@@ -14,6 +14,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -215,7 +216,7 @@ class TrainStep:
         (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def jitted(self, batch):
@@ -238,25 +239,37 @@ class TrainStep:
             return self.jitted(batch).lower(state, batch)
 
 
+def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
+    """Shardings of `optimizer.init(params)`: every sub-tree shaped like the params (moments)
+    is sharded like them; anything else (step counts, scalars) is replicated."""
+    params_structure = jax.tree.structure(params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(
+        lambda node: param_shardings if jax.tree.structure(node) == params_structure else replicated,
+        jax.eval_shape(optimizer.init, params),
+        is_leaf=lambda node: jax.tree.structure(node) == params_structure)
+
+
 def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: Callable,
                     mesh: jax.sharding.Mesh):
     """Shard `model` on `mesh`, initialise the optimizer state sharded like the params.
 
-    Returns (train_step, state). Optimizer moments inherit the parameter shardings (optax's
-    `init` under jit with the params' shardings propagates them; scalars are replicated).
+    Returns (train_step, state). The state holds a sharded copy of the parameters (the caller's
+    model stays valid); optimizer moments are sharded like the parameters (`optimizer_shardings`).
     """
     graphdef, params = nnx.split(model, nnx.Param)
     if len(jax.tree.leaves(nnx.split(model)[1])) != len(jax.tree.leaves(params)):
         raise ValueError("make_train_step expects a model whose only variables are nnx.Param")
     param_shardings = state_shardings(params, mesh)
+    # A copy: the state is donated at every step and must not alias the caller's model buffers
+    # (device_put may reuse a buffer even with may_alias=False when the mesh changes).
+    params = jax.tree.map(jnp.copy, params)
     with jax.set_mesh(mesh):
         params = jax.device_put(params, param_shardings)
-        opt_state = jax.jit(optimizer.init)(params)
-    opt_shardings = jax.tree.map(
-        lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding)
-        else NamedSharding(mesh, PartitionSpec()), opt_state)
+        opt_shardings = optimizer_shardings(optimizer, params, param_shardings, mesh)
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     replicated = NamedSharding(mesh, PartitionSpec())
     shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
-    state = {"params": params, "opt_state": jax.device_put(opt_state, opt_shardings),
+    state = {"params": params, "opt_state": opt_state,
              "step": jax.device_put(np.int32(0), replicated)}
     return TrainStep(graphdef, shardings, mesh, optimizer, loss_fn), state
