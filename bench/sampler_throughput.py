@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (the best is kept)")
     args = p.parse_args()
 
     heads = max(1, args.hidden // 64)
@@ -64,10 +65,12 @@ def main() -> None:
         sampler = JaxSampler(model, max_cache_len=4096, max_batch=max_batch)
         _, first = timed(lambda: sampler.generate(prompts, params))
         out, run = timed(lambda: sampler.generate(prompts, params))
+        for _ in range(args.repeats - 1):  # best of N: other processes share these cores
+            run = min(run, timed(lambda: sampler.generate(prompts, params))[1])
         generated = sum(s.output_ids.size for row in out for s in row)
         assert generated == tokens, (generated, tokens)
         results[max_batch] = run
-        print(f"max_batch={max_batch:3d}: first call {first:7.2f} s (compile + run), run {run:7.3f} s, "
+        print(f"max_batch={max_batch:3d}: first call {first:7.2f} s (compile + run), best run {run:7.3f} s, "
               f"{tokens / run:9.1f} tokens/s, compile ~{first - run:6.2f} s")
     print(f"batching speed-up (max_batch={args.prompts} vs 8): {results[8] / results[args.prompts]:.2f}x")
 
