@@ -258,3 +258,34 @@ def test_moe_routed_experts_match_the_full_forward():
         assert sample.routed_experts.shape == (8, 1, 2)
         # output token j is predicted from input position len(prompt) - 1 + j
         np.testing.assert_array_equal(sample.routed_experts, route[len(prompt) - 1:len(prompt) + 7])
+
+
+def test_sharded_sampler_matches_one_device(model, sampler):
+    from jaxrl.models.sharding import MeshConfig, make_mesh, shard_model
+
+    mesh = make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
+    sharded, _ = shard_model(model, mesh)
+    on_mesh = JaxSampler(sharded, max_cache_len=64, max_batch=8, mesh=mesh)
+    assert jax.tree.leaves(on_mesh.state)[0].sharding.mesh.shape == mesh.shape
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    for (a,), (b,) in zip(sampler.generate(PROMPTS, params), on_mesh.generate(PROMPTS, params)):
+        np.testing.assert_array_equal(a.output_ids, b.output_ids)
+        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=5e-6)
+
+
+def test_multi_turn_conversations_and_per_turn_report(model, sampler):
+    from jaxrl.align import AlignmentBatch
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=2, stop_token_ids=(7,))
+    conversations = [Conversation.from_prompt(p[:5]) for p in PROMPTS]
+    conversations = sampler.continue_conversations(conversations, params)
+    conversations = [c.add_environment_tokens([60, 61]) for c in conversations]
+    conversations = sampler.continue_conversations(conversations, params)
+    for c in conversations:
+        assert c.num_model_turns == 2
+        assert (c.model_mask[c.turn_ids >= 0] == 1).all() and (c.turn_ids[c.model_mask == 0] == -1).all()
+    batch = score_with_learner(model, AlignmentBatch.from_conversations(conversations))
+    report = build_report(batch)
+    assert report["turns"]["first"]["num_tokens"] + report["turns"]["later"]["num_tokens"] == batch.model_mask.sum()
+    assert report["turns"]["later"]["num_tokens"] > 0
+    assert report["overall"]["abs_log_ratio_max"] < 5e-6
