@@ -32,17 +32,19 @@ HELDOUT = 128
 TARGET_RISE = 0.3
 
 
-def write_demo_files(root: str = DEMO_DIR, seed: int = 0) -> dict[str, str]:
-    """Writes the tokenizer folder and the train/held-out JSONL files; returns their paths."""
+def write_demo_files(root: str = DEMO_DIR, seed: int = 0, max_operand: int = MAX_OPERAND,
+                     heldout: int = HELDOUT) -> dict[str, str]:
+    """Writes the tokenizer folder and the train/held-out JSONL files of ``a+b=`` problems
+    (``0 <= a, b < max_operand``, ``heldout`` of them held out); returns their paths."""
     from jaxrl.data import make_char_tokenizer
 
     paths = {"tokenizer": os.path.join(root, "tokenizer"), "train": os.path.join(root, "data", "train.jsonl"),
              "heldout": os.path.join(root, "data", "heldout.jsonl")}
     make_char_tokenizer(paths["tokenizer"], ALPHABET, words=WORDS)
-    pairs = [(a, b) for a in range(MAX_OPERAND) for b in range(MAX_OPERAND)]
+    pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
     random.Random(seed).shuffle(pairs)
     os.makedirs(os.path.dirname(paths["train"]), exist_ok=True)
-    for name, chunk in (("heldout", pairs[:HELDOUT]), ("train", pairs[HELDOUT:])):
+    for name, chunk in (("heldout", pairs[:heldout]), ("train", pairs[heldout:])):
         with open(paths[name], "w") as f:
             for a, b in chunk:
                 row = {"prompt": f"{a}+{b}=", "response": f"\\boxed{{{a + b}}}", "answer": str(a + b),
