@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl import distributed
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.rollout.base import LogprobKind, RolloutEngine, Sample, SamplingParams
 
@@ -293,7 +294,8 @@ class JaxSampler(RolloutEngine):
                 outputs = call()
         else:
             outputs = call()
-        tokens, raw, processed, lengths, stopped, routes = jax.device_get(outputs)
+        # to_host, not device_get: with several processes the outputs span all of them.
+        tokens, raw, processed, lengths, stopped, routes = distributed.to_host(outputs)
         chosen = raw if params.logprob_kind == LogprobKind.RAW else processed
         samples = []
         for r, p in enumerate(prompts):
