@@ -121,7 +121,10 @@ class SGLangClient:
         if response.status_code >= 500:
             raise _RetryableError(f"HTTP {response.status_code}: {_body(response)}")
         response.raise_for_status()
-        return response.json()
+        try:
+            return response.json()
+        except ValueError:  # a few admin routes (/flush_cache) answer plain text
+            return response.text
 
     def map(self, calls: Sequence[tuple[int, str, str, dict | None, str]]) -> list[Any]:
         """Runs many ``request`` calls concurrently; results in the order given.

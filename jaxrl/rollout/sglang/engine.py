@@ -44,6 +44,22 @@ ExportFn = Callable[[Any, str], None]
 RecomputeFn = Callable[[Any, np.ndarray], np.ndarray]
 
 
+def export_decoder(model, path: str) -> None:
+    """Default ``ExportFn``: ``jaxrl.models.save_hf_checkpoint`` of the learner's ``Decoder``."""
+    from jaxrl.models import save_hf_checkpoint
+
+    save_hf_checkpoint(model, path)
+
+
+def recompute_decoder(model, token_ids: np.ndarray) -> np.ndarray:
+    """Default ``RecomputeFn``: the learner's own scoring (``jaxrl.align.check.learner_logprobs``,
+    the trainer's ``old_logp`` path) of one sequence; [L - 1] float32."""
+    from jaxrl.align.check import learner_logprobs
+
+    ids = np.asarray(token_ids, np.int32)[None]
+    return learner_logprobs(model, ids, np.asarray([ids.shape[1]], np.int32))[0, 1:]
+
+
 class WeightPushError(RuntimeError):
     """A push did not take effect as verified; the message names the server and what differed."""
 
@@ -74,15 +90,15 @@ class SGLangEngine(RolloutEngine):
     """Rollouts on the servers of a started ``ServerManager``.
 
     export_fn / recompute_fn: how to write the learner's parameters as an HF
-      checkpoint and how the learner scores a sequence; both are needed by
-      ``update_weights`` only (generation works without them).
+      checkpoint and how the learner scores a sequence (used by ``update_weights``
+      only). The defaults take a ``jaxrl.models.Decoder`` as ``params``.
     """
 
     def __init__(
         self,
         manager: ServerManager,
-        export_fn: ExportFn | None = None,
-        recompute_fn: RecomputeFn | None = None,
+        export_fn: ExportFn = export_decoder,
+        recompute_fn: RecomputeFn = recompute_decoder,
         push: PushConfig = PushConfig(),
         client: ClientConfig = ClientConfig(),
     ):
@@ -136,9 +152,6 @@ class SGLangEngine(RolloutEngine):
         write), push/load_s (servers loading it), push/verify_s (version and
         probe checks), push/total_s, push/probe_max_abs_diff (nats).
         """
-        if self._export_fn is None or self._recompute_fn is None:
-            raise ValueError("SGLangEngine.update_weights needs export_fn and recompute_fn "
-                             "(the learner's HF export and logprob recompute); pass them to SGLangEngine")
         version = str(version)
         if version == self._version:
             raise ValueError(f"SGLangEngine.update_weights: version {version!r} is the current one; "
@@ -161,6 +174,11 @@ class SGLangEngine(RolloutEngine):
             "push/probe_max_abs_diff": diff,
         }
         return dict(self.last_push_metrics)
+
+    def flush_cache(self) -> None:
+        """Empties every server's prefix (radix) cache, so the next prompts are prefilled afresh."""
+        self._client.map([(i, "POST", "/flush_cache", None, "cache flush")
+                          for i in range(self.manager.num_servers)])
 
     def close(self) -> None:
         self._client.close()

@@ -219,6 +219,9 @@ class ServerManager:
 
     def stop(self) -> None:
         """Stops every server (SIGTERM, then SIGKILL to the group). Idempotent."""
+        for server in self._servers:  # all at once, so the grace periods overlap
+            if server.process is not None and server.process.poll() is None:
+                _signal_group(server.process, signal.SIGTERM)
         for server in self._servers:
             self._terminate(server)
         self._stopped = True
@@ -312,6 +315,8 @@ class ServerManager:
 
     def _check_port_free(self, server: _Server) -> None:
         with socket.socket() as sock:
+            # As the server will: a port whose old connections linger in TIME_WAIT is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((self.config.host, server.port))
             except OSError as err:

@@ -1,0 +1,250 @@
+"""SGLangEngine against real SGLang servers (CPU, float32, `.venv-sglang`).
+
+Two fleets start once for the whole session, side by side: one dense Qwen3
+server and two Qwen3-MoE servers (data parallel, routes returned). Models are
+random ``jaxrl.models.Decoder``s written with ``save_hf_checkpoint``; references
+are the learner's recompute (``jaxrl.align``) and a transformers forward.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxrl.align.check import check_engine, learner_logprobs
+from jaxrl.models import Decoder, ModelConfig
+from jaxrl.rollout.base import Conversation, LogprobKind, SamplingParams
+from jaxrl.rollout.sglang import (
+    ClientConfig,
+    PushConfig,
+    SGLangEngine,
+    ServerConfig,
+    ServerManager,
+    WeightPushError,
+)
+from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.testing import random_decoder, write_random_checkpoint
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(not CPU_VENV_PYTHON.exists(), reason="run scripts/setup_sglang_cpu.sh first"),
+]
+
+DENSE = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+MOE = DENSE.replace(mlp_types=("moe", "moe"), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21, 22]]
+ALIGN_TOL = 1e-5  # issue 5: learner recompute vs SGLang, float32
+
+
+def _free_base_port(count: int) -> int:
+    for base in range(31200, 32000, 10):
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free ports in 31200-32000")
+
+
+class Fleet:
+    def __init__(self, tmp, name, config: ModelConfig, num_servers, base_port):
+        self.model = write_random_checkpoint(str(tmp / name), config, seed=1)
+        self.manager = ServerManager(ServerConfig(
+            model_path=str(tmp / name), num_servers=num_servers, base_port=base_port,
+            return_routed_experts=config.num_experts > 0, log_dir=str(tmp / f"{name}-logs"),
+            startup_timeout_s=200))
+        self.engine = None
+        self.tmp = tmp
+        self.name = name
+
+    def start(self):
+        self.manager.start()
+        self.engine = SGLangEngine(self.manager, push=PushConfig(checkpoint_dir=str(self.tmp / f"{self.name}-pushed")),
+                                   client=ClientConfig(max_tries=4, backoff_s=0.2))
+        return self
+
+
+@pytest.fixture(scope="session")
+def fleets(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sglang")
+    base = _free_base_port(3)
+    dense, moe = Fleet(tmp, "dense", DENSE, 1, base), Fleet(tmp, "moe", MOE, 2, base + 1)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(dense.start), pool.submit(moe.start)]:
+            f.result()
+    yield {"dense": dense, "moe": moe}
+    for fleet in (dense, moe):
+        fleet.engine.close()
+        fleet.manager.stop()
+
+
+@pytest.fixture(scope="session")
+def dense(fleets):
+    return fleets["dense"]
+
+
+@pytest.fixture(scope="session")
+def moe(fleets):
+    return fleets["moe"]
+
+
+def hf_logits(model_path: str, token_ids) -> torch.Tensor:
+    """transformers' float32 logits [L, V] of one sequence."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].double()
+
+
+def test_raw_logprobs_match_the_learner_recompute_through_the_alignment_checker(dense):
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    batch, report, _ = check_engine(dense.engine, dense.model, PROMPTS, params, n=2, figures=False)
+    overall = report["overall"]
+    assert overall["num_tokens"] == len(PROMPTS) * 2 * 16
+    assert overall["abs_log_ratio_max"] <= ALIGN_TOL, overall
+    assert report["meta"]["weight_version"] == "default"
+
+
+def test_which_distribution_comes_back_raw_and_processed(dense):
+    """At T=0.7 with top-k 5: RAW is log_softmax(logits), PROCESSED is log_softmax(logits / T)
+    renormalised over the top 5, both against a transformers forward of the same tokens."""
+    prompt, temperature, top_k = [3, 1, 4, 1, 5, 9], 0.7, 5
+    for kind in (LogprobKind.RAW, LogprobKind.PROCESSED):
+        params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=12, logprob_kind=kind)
+        sample = dense.engine.generate([prompt], params)[0][0]
+        assert sample.logprob_kind == kind
+        logits = hf_logits(dense.manager.model_path, prompt + sample.output_ids.tolist())[len(prompt) - 1:-1]
+        tokens = torch.tensor(sample.output_ids.tolist())[:, None].long()
+        raw = logits.log_softmax(-1).gather(-1, tokens)[:, 0].numpy()
+        scaled = (logits / temperature)
+        kth = scaled.topk(top_k, -1).values[:, -1:]
+        processed = scaled.masked_fill(scaled < kth, -np.inf).log_softmax(-1).gather(-1, tokens)[:, 0].numpy()
+        want, other = (raw, processed) if kind == LogprobKind.RAW else (processed, raw)
+        np.testing.assert_allclose(sample.output_logprobs, want, atol=1e-5, rtol=0)
+        assert np.max(np.abs(want - other)) > 1e-2  # the two kinds are told apart on this model
+
+
+def test_multi_turn_continues_by_ids_and_matches_the_learner(dense):
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    conversations = [Conversation.from_prompt(p) for p in PROMPTS[:3]]
+    conversations = dense.engine.continue_conversations(conversations, params)
+    conversations = [c.add_environment_tokens([100, 101]) for c in conversations]
+    conversations = dense.engine.continue_conversations(conversations, params)
+    for conversation, prompt in zip(conversations, PROMPTS[:3]):
+        assert conversation.num_model_turns == 2
+        assert conversation.token_ids[:len(prompt)].tolist() == prompt
+        assert len(conversation.token_ids) == len(prompt) + 6 + 2 + 6
+        ids = conversation.token_ids[None]
+        learner = learner_logprobs(dense.model, ids, np.asarray([ids.shape[1]]))[0]
+        mask = conversation.model_mask.astype(bool)
+        assert np.max(np.abs(learner[mask] - conversation.rollout_logprobs[mask])) <= ALIGN_TOL
+
+
+def perturbed(model: Decoder, seed: int) -> Decoder:
+    return random_decoder(model.config, seed=seed)
+
+
+def test_weight_push_changes_outputs_restores_them_bit_for_bit_and_bumps_the_version(dense):
+    engine, original = dense.engine, dense.model
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+    def one_at_a_time():
+        # Concurrent requests share batches whose make-up depends on arrival timing, and the
+        # batch shape changes float32 summation order (1-ulp logprob differences); requests
+        # one at a time run the same shapes every time, so bits can be compared. The flush
+        # keeps prompts from reusing prefix-cache entries computed in other shapes (earlier
+        # tests' batches, the push's probe, which shares PROMPTS[0]'s first token).
+        engine.flush_cache()
+        return [engine.generate([p], greedy)[0] for p in PROMPTS]
+
+    before = one_at_a_time()
+    start_version = engine.weight_version
+
+    metrics = engine.update_weights(perturbed(original, seed=7), "step-1")
+    assert engine.weight_version == "step-1"
+    assert metrics["push/total_s"] > 0 and metrics["push/probe_max_abs_diff"] <= engine.push_config.probe_atol
+    changed = one_at_a_time()
+    assert all(s[0].weight_version == "step-1" for s in changed)
+    assert any(not np.array_equal(a[0].output_ids, b[0].output_ids) for a, b in zip(before, changed))
+
+    engine.update_weights(original, "step-2")
+    after = one_at_a_time()
+    assert start_version != "step-2" and all(s[0].weight_version == "step-2" for s in after)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a[0].output_ids, b[0].output_ids)
+        np.testing.assert_array_equal(a[0].output_logprobs, b[0].output_logprobs)  # bit for bit
+
+
+def test_spot_check_catches_a_wrong_push(dense, tmp_path):
+    """The export writes other weights than the learner holds: the probe check must fail."""
+    wrong = perturbed(dense.model, seed=11)
+    from jaxrl.models import save_hf_checkpoint
+
+    lying = SGLangEngine(dense.manager, export_fn=lambda params, path: save_hf_checkpoint(wrong, path),
+                         push=PushConfig(checkpoint_dir=str(tmp_path)))
+    with pytest.raises(WeightPushError) as err:
+        lying.update_weights(dense.model, "step-bad")
+    message = str(err.value)
+    assert dense.manager.urls[0] in message and "differ from the learner's recompute" in message
+    lying.close()
+    # Put the learner's weights back for the tests that follow.
+    dense.engine.update_weights(dense.model, "step-restored")
+
+
+def test_two_servers_serve_one_batch_complete_and_in_order(moe):
+    prompts = [[(7 * i + j) % 120 + 1 for j in range(2 + i % 5)] for i in range(12)]
+    samples = moe.engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8), n=3)
+    assert len(samples) == len(prompts)
+    for prompt, row in zip(prompts, samples):
+        assert len(row) == 3
+        for s in row:
+            assert s.prompt_ids.tolist() == prompt and len(s.output_ids) == 8
+    # Prompt i went to server i % 2; every sample, from either server, matches the learner.
+    for prompt, row in zip(prompts, samples):
+        ids = np.concatenate([row[0].prompt_ids, row[0].output_ids])[None]
+        want = learner_logprobs(moe.model, ids, np.asarray([ids.shape[1]]))[0, len(prompt):]
+        assert np.max(np.abs(row[0].output_logprobs - want)) <= ALIGN_TOL
+
+
+def test_moe_routed_experts_match_the_learner_router(moe):
+    prompt = [5, 17, 33, 2, 90, 61]
+    sample = moe.engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=6))[0][0]
+    fed = np.concatenate([sample.prompt_ids, sample.output_ids])[:-1]
+    assert sample.routed_experts.shape == (len(fed), 2, 2)
+    out = moe.model(fed[None], np.arange(len(fed))[None])
+    learner_routes = np.asarray(out.experts[0])  # [positions, layers, top_k]
+    np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(learner_routes, -1))
+
+
+def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_duplicates(moe):
+    manager = moe.manager
+    restarts_before = manager.restarts(0)
+    old_pid = manager.pid(0)
+    prompts = [[(3 * i + j) % 120 + 1 for j in range(3 + i % 4)] for i in range(24)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=96)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(moe.engine.generate, prompts, params, 2)
+        time.sleep(1.0)
+        assert not future.done(), "the batch finished before the kill; make it longer"
+        manager.kill(0)
+        samples = future.result(timeout=300)
+    assert manager.restarts(0) == restarts_before + 1 and manager.pid(0) != old_pid
+    assert len(samples) == len(prompts)
+    for prompt, row in zip(prompts, samples):
+        assert len(row) == 2
+        for s in row:
+            assert s.prompt_ids.tolist() == prompt and len(s.output_ids) == 96
+            assert np.all(np.isfinite(s.output_logprobs)) and np.all(s.output_logprobs <= 0)
+    # The restarted server serves the same weights: its samples still match the learner.
+    row = samples[0]
+    ids = np.concatenate([row[0].prompt_ids, row[0].output_ids])[None]
+    want = learner_logprobs(moe.model, ids, np.asarray([ids.shape[1]]))[0, len(prompts[0]):]
+    assert np.max(np.abs(row[0].output_logprobs - want)) <= ALIGN_TOL
