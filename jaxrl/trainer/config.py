@@ -62,8 +62,10 @@ class RolloutConfig:
     ``sglang`` section; SGLang verifies its own pushes with its probe). prompts_per_step
     prompts, group_size (G) samples each. logprob_kind: which distribution the engine
     reports (raw = what the learner recomputes; SPEC 5). verify_push: after each
-    weight push, compare the engine's logprobs on a probe with the learner's; a
-    difference above ``push_tolerance`` (max |dlogp|) is an error.
+    weight push the engine must report the new version, and the next batch's engine
+    logprobs must match the learner's recompute within ``push_tolerance`` (max |dlogp|
+    over generated tokens; the spot check runs on every sampled token, at no extra cost;
+    SGLang additionally checks its probe sequence inside each push).
     """
 
     engine: Literal["embedded", "sglang"] = "embedded"

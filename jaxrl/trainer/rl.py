@@ -37,6 +37,7 @@ from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.losses import advantages as advantage_lib
 from jaxrl.losses import batch_filter, kl_in_reward, loss_normalizer, mismatch_metrics, rl_objective
 from jaxrl.models import make_mesh, make_train_step, save_hf_checkpoint
+from jaxrl.models.sharding import batch_shardings
 from jaxrl.reward import build_router
 from jaxrl.rollout.base import RolloutEngine, SamplingParams
 from jaxrl.trainer.checkpoint import Checkpointer
@@ -117,9 +118,11 @@ class RLTrainer:
             load_examples(data.eval_files, data, self.tokenizer)[0][: config.eval.max_prompts]
             if data.eval_files else []
         )
+        # Every process reads the same global batch and runs the same host-side loop (sampling
+        # requests, rewards, advantages); the device work is sharded over the global mesh. So the
+        # batch is the same for any number of processes (jaxrl.distributed).
         self.iterator = BatchIterator(
             self.examples, config.rollout.prompts_per_step, seed=data.seed, shuffle=data.shuffle,
-            process_index=jax.process_index(), process_count=jax.process_count(),
         )
         self.router = build_router(config.reward)
         self.mesh = make_mesh(config.mesh)
@@ -250,12 +253,15 @@ class RLTrainer:
         t = time.perf_counter()
         if not skip:
             metrics.update(self._update(batch, step))
+        if r.verify_push:  # The logprob spot check of the previous push, on this step's whole batch.
+            self.check_push(samples[0][0].weight_version, metrics)
         timings["update"] = time.perf_counter() - t
 
         t = time.perf_counter()
         push_metrics = self.engine.update_weights(self.model(), version=str(step))
-        if r.verify_push and r.engine == "embedded":
-            self.verify_push(examples[0])
+        if r.verify_push and self.engine.weight_version != str(step):
+            raise PushVerificationError(
+                f"pushed weight version {step} but the engine reports {self.engine.weight_version!r}")
         timings["weight_push"] = time.perf_counter() - t
         self.step = step
 
@@ -291,6 +297,8 @@ class RLTrainer:
             normalizer = float(loss_normalizer(mode, jnp.asarray(mini["mask"])))
             mini["key_seed"] = np.int32(step * u.mini_batches + s)
             mini["normalizer"] = np.float32(normalizer)
+            # Placed on the mesh here: jit refuses numpy inputs for arrays spread over processes.
+            mini = jax.device_put(mini, batch_shardings(mini, self.mesh))
             self.state, metrics = self.train_step(self.state, mini)
             collected.append(jax.device_get(metrics))
         # Mismatch metrics measured in the loss (bypass) are valid on the first mini-batch only,
@@ -298,20 +306,17 @@ class RLTrainer:
         return {k: float(collected[0][k]) if k.startswith("mismatch_") else float(np.mean([m[k] for m in collected]))
                 for k in collected[0]}
 
-    def verify_push(self, example) -> None:
-        """The engine's greedy sample on a probe must score the same under the learner (raw logprobs)."""
-        sample = self.engine.generate([example.prompt_ids.tolist()], self._sampling(0, temperature=0.0), n=1)[0][0]
-        probe = pack_sequences([example.prompt_ids], [sample.output_ids], self.length, self.tokenizer.pad_token_id,
-                               completion_values=[sample.output_logprobs])
-        learner, _ = self.scorer(self.state["params"], probe)
-        live = probe["mask"] > 0
-        diff = float(np.max(np.abs(learner[live] - probe["values"][live]), initial=0.0))
-        if diff > self.config.rollout.push_tolerance:
+    def check_push(self, version: str, mismatch: dict) -> None:
+        """Verifies a weight push: the engine reports ``version``, and the engine's logprobs of the
+        batch sampled with those weights agree with the learner's recompute (max |dlogp| over the
+        generated tokens within ``rollout.push_tolerance``). Raises PushVerificationError."""
+        tolerance = self.config.rollout.push_tolerance
+        largest = float(mismatch.get("mismatch_abs_log_ratio_max", 0.0))
+        if largest > tolerance:
             raise PushVerificationError(
-                f"after pushing weight version {self.engine.weight_version}, the engine's logprobs of a probe "
-                f"differ from the learner's by up to {diff:.3g} > rollout.push_tolerance="
-                f"{self.config.rollout.push_tolerance}; the push did not load the learner's weights"
-            )
+                f"the engine sampled with weight version {version} but its logprobs differ from the learner's "
+                f"by up to {largest:.3g} nats > rollout.push_tolerance={tolerance}; the engine is not running "
+                f"the learner's weights (or raise push_tolerance for low-precision engines)")
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:

@@ -154,3 +154,26 @@ def test_shipped_configs_load_and_errors_name_the_key():
         load_config(TrainConfig, demo, ["rollout.group_size=eight"])
     with pytest.raises(ConfigError, match=r"divisible by update.mini_batches \* update.micro_batches = 3"):
         load_config(TrainConfig, demo, ["update.micro_batches=3"])
+
+
+def test_a_push_that_does_not_load_the_weights_is_caught(files, tmp_path):
+    """An engine that bumps its version but keeps sampling the old weights fails the spot check."""
+    from jaxrl.rollout.sampler import JaxSampler
+    from jaxrl.trainer.rl import PushVerificationError
+
+    class StaleSampler(JaxSampler):
+        def update_weights(self, params, version):
+            self._version = str(version)  # Claims the new version, keeps the old arrays.
+
+    config = make_config(files, tmp_path / "stale", steps=2)
+    trainer = RLTrainer(config, engine=None)
+    from flax import nnx
+
+    frozen = jax.tree.map(lambda x: x.copy(), trainer.state["params"])  # The train step donates the live arrays.
+    stale = StaleSampler(nnx.merge(trainer.train_step.graphdef, frozen), max_batch=16)
+    stale.update_weights(None, "0")
+    trainer.engine = stale
+    trainer.train_step_once()  # Step 1 samples the initial weights, which the learner still has.
+    with pytest.raises(PushVerificationError, match="weight version 1 .* differ from the learner's"):
+        trainer.train_step_once()
+    trainer.close()
