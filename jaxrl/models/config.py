@@ -19,7 +19,30 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 HF_FAMILIES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "minimax": "MiniMaxForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
+
+# Per family: our layer kind -> the HF `layer_types` name, and the ModelConfig switches it fixes.
+_QWEN3_FLAGS = dict(qk_norm=True, attention_output_gate=False, partial_rotary_factor=1.0, norm_weight_offset=False,
+                    shared_expert_gate=False, residual_from_norm=False)
+HF_LAYER_TYPES = {
+    "qwen3": {"full_attention": "full_attention"},
+    "qwen3_moe": {"full_attention": "full_attention"},
+    "minimax": {"lightning_attention": "linear_attention", "full_attention": "full_attention"},
+    "qwen3_next": {"gated_deltanet": "linear_attention", "full_attention": "full_attention"},
+}
+HF_FAMILY_FLAGS = {
+    "qwen3": _QWEN3_FLAGS,
+    "qwen3_moe": _QWEN3_FLAGS,
+    "minimax": dict(_QWEN3_FLAGS, qk_norm=False, residual_from_norm=True, norm_topk_prob=True,
+                    shared_expert_intermediate_size=0),
+    "qwen3_next": dict(qk_norm=True, attention_output_gate=True, norm_weight_offset=True, shared_expert_gate=True,
+                       residual_from_norm=False),
+}
+# MiniMax residual scalings this decoder implements only at their default of 1.
+MINIMAX_UNIT_FACTORS = ("full_attn_alpha_factor", "full_attn_beta_factor", "linear_attn_alpha_factor",
+                        "linear_attn_beta_factor", "mlp_alpha_factor", "mlp_beta_factor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +83,19 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: str = "none"
+    # Hybrid linear-attention families (MiniMax-Text-01, Qwen3-Next); defaults give Qwen3.
+    qk_norm: bool = True  # per-head q/k RMSNorm in softmax attention (MiniMax: False)
+    attention_output_gate: bool = False  # Qwen3-Next: q_proj also yields a per-head sigmoid output gate
+    partial_rotary_factor: float = 1.0  # RoPE on the first factor * head_dim features (Qwen3-Next: 0.25)
+    norm_weight_offset: bool = False  # Qwen3-Next RMSNorms scale by (1 + w), w initialised to 0
+    shared_expert_gate: bool = False  # Qwen3-Next: shared expert scaled by sigmoid(x @ w_gate)
+    residual_from_norm: bool = False  # MiniMax blocks: the residual branch starts after the input norm
+    linear_chunk_size: int = 64  # chunk length of the chunked linear-attention form
+    linear_num_key_heads: int = 0  # gated DeltaNet key heads / value heads / head dims
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self):
         # Tuples (not lists) keep the config hashable, so it can be a static jit argument.
@@ -110,6 +146,20 @@ class ModelConfig:
         for key in ("param_dtype", "dtype"):
             if getattr(self, key) not in DTYPES:
                 raise ValueError(f"ModelConfig.{key} = {getattr(self, key)!r}; choose one of {list(DTYPES)}")
+        if not isinstance(self.linear_chunk_size, int) or self.linear_chunk_size < 1:
+            raise ValueError(f"ModelConfig.linear_chunk_size must be a positive integer, got {self.linear_chunk_size!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ValueError(f"ModelConfig.partial_rotary_factor = {self.partial_rotary_factor} must be in (0, 1] "
+                             f"and give an even rotary width of head_dim={self.head_dim}")
+        if "gated_deltanet" in self.layer_types:
+            for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                        "linear_value_head_dim", "linear_conv_kernel_dim"):
+                if getattr(self, key) <= 0:
+                    raise ValueError(f"ModelConfig.{key} must be positive for gated_deltanet layers, "
+                                     f"got {getattr(self, key)}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"ModelConfig.linear_num_value_heads ({self.linear_num_value_heads}) must be a "
+                                 f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
         if self.remat != "none" and self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat = {self.remat!r}; choose 'none' or one of {list(REMAT_POLICIES)}")
 
@@ -132,7 +182,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
-        """Read a transformers Qwen3 / Qwen3-MoE `config.json` dict; `overrides` set our own fields
+        """Read a transformers Qwen3 / Qwen3-MoE / MiniMax / Qwen3-Next `config.json` dict; `overrides` set our own fields
         (dtype, param_dtype, remat). Another architecture raises a ValueError naming it."""
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or []
@@ -159,7 +209,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 32768),
         )
-        if model_type == "qwen3_moe":
+        if model_type in ("qwen3_moe", "qwen3_next"):
             sparse_step = hf.get("decoder_sparse_step", 1)
             dense_layers = set(hf.get("mlp_only_layers") or [])
             num_experts = hf.get("num_experts", hf.get("num_local_experts", 0))
@@ -171,18 +221,65 @@ class ModelConfig:
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
             )
+        if model_type in ("minimax", "qwen3_next"):
+            fields.update(HF_FAMILY_FLAGS[model_type], layer_types=cls._layer_types_from_hf(hf, model_type))
+        if model_type == "qwen3_next":
+            fields.update(
+                shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0) if num_experts else 0,
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+                **{key: hf[key] for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                            "linear_value_head_dim", "linear_conv_kernel_dim")})
+        if model_type == "minimax":
+            for key in MINIMAX_UNIT_FACTORS + ("sliding_window",):
+                if hf.get(key) not in (None, 1):
+                    raise ValueError(f"config.json sets {key}={hf[key]!r}; this decoder implements MiniMax only "
+                                     "with residual factors of 1 and no sliding window")
+            fields.update(
+                mlp_types=("moe",) * num_layers, num_experts=hf["num_local_experts"],
+                num_experts_per_tok=hf["num_experts_per_tok"], moe_intermediate_size=hf["intermediate_size"],
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+                linear_chunk_size=hf.get("block_size", 256))
         fields.update(overrides)
         return cls(**fields)
 
+    @staticmethod
+    def _layer_types_from_hf(hf: dict[str, Any], model_type: str) -> tuple[str, ...]:
+        names = hf.get("layer_types") or [  # Qwen3-Next configs may give only the interval
+            "full_attention" if (i + 1) % hf.get("full_attention_interval", 4) == 0 else "linear_attention"
+            for i in range(hf["num_hidden_layers"])]
+        ours = {hf_name: kind for kind, hf_name in HF_LAYER_TYPES[model_type].items()}
+        for i, name in enumerate(names):
+            if name not in ours:
+                raise ValueError(f"config.json layer_types[{i}] = {name!r}; {model_type} layers are {sorted(ours)}")
+        return tuple(ours[name] for name in names)
+
+    @property
+    def hf_family(self) -> str:
+        """model_type of the transformers family that can express this config."""
+        if "lightning_attention" in self.layer_types or self.residual_from_norm:
+            return "minimax"
+        if "gated_deltanet" in self.layer_types or self.attention_output_gate or self.norm_weight_offset:
+            return "qwen3_next"
+        return "qwen3_moe" if "moe" in self.mlp_types else "qwen3"
+
     def to_hf(self) -> dict[str, Any]:
-        """A transformers `config.json` dict (Qwen3ForCausalLM, or Qwen3MoeForCausalLM when any
-        layer is MoE). Raises ValueError for what the two HF families cannot express."""
-        if any(kind != "full_attention" for kind in self.layer_types):
-            raise ValueError(f"ModelConfig.layer_types {self.layer_types} has no Qwen3/Qwen3-MoE HF equivalent")
+        """A transformers `config.json` dict of `hf_family` (Qwen3, Qwen3-MoE, MiniMax, Qwen3-Next).
+        Raises ValueError for what that family cannot express."""
+        model_type = self.hf_family
         moe = "moe" in self.mlp_types
-        if self.shared_expert_intermediate_size:
+        layer_names = HF_LAYER_TYPES[model_type]
+        for i, kind in enumerate(self.layer_types):
+            if kind not in layer_names:
+                raise ValueError(f"ModelConfig.layer_types[{i}] = {kind!r} has no {HF_FAMILIES[model_type]} "
+                                 f"equivalent (it has {sorted(layer_names)})")
+        for key, value in HF_FAMILY_FLAGS[model_type].items():
+            if getattr(self, key) != value and not (key == "shared_expert_gate" and not self.shared_expert_intermediate_size):
+                raise ValueError(f"ModelConfig.{key} = {getattr(self, key)!r} has no {HF_FAMILIES[model_type]} "
+                                 f"equivalent (it needs {value!r})")
+        if model_type in ("qwen3", "qwen3_moe") and self.shared_expert_intermediate_size:
             raise ValueError("ModelConfig.shared_expert_intermediate_size > 0 has no Qwen3-MoE HF equivalent")
-        model_type = "qwen3_moe" if moe else "qwen3"
+        if model_type == "minimax" and "dense" in self.mlp_types:
+            raise ValueError("ModelConfig.mlp_types has dense layers, which MiniMaxForCausalLM cannot express")
         hf: dict[str, Any] = {
             "architectures": [HF_FAMILIES[model_type]], "model_type": model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -202,4 +299,17 @@ class ModelConfig:
                 router_aux_loss_coef=self.router_aux_loss_coef, decoder_sparse_step=1,
                 mlp_only_layers=[i for i, kind in enumerate(self.mlp_types) if kind == "dense"],
             )
+        if model_type in ("minimax", "qwen3_next"):
+            hf["layer_types"] = [layer_names[kind] for kind in self.layer_types]
+        if model_type == "qwen3_next":
+            hf["rope_parameters"]["partial_rotary_factor"] = hf["partial_rotary_factor"] = self.partial_rotary_factor
+            hf.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                      linear_num_key_heads=self.linear_num_key_heads, linear_num_value_heads=self.linear_num_value_heads,
+                      linear_key_head_dim=self.linear_key_head_dim, linear_value_head_dim=self.linear_value_head_dim,
+                      linear_conv_kernel_dim=self.linear_conv_kernel_dim)
+        if model_type == "minimax":
+            hf.update({key: 1 for key in MINIMAX_UNIT_FACTORS}, intermediate_size=self.moe_intermediate_size,
+                      num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      router_aux_loss_coef=self.router_aux_loss_coef, block_size=self.linear_chunk_size,
+                      sliding_window=None)
         return hf

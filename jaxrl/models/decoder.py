@@ -22,12 +22,18 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxrl.losses.entropy import token_logprobs_and_entropy
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import F32, MLP, Attention, MoE, RMSNorm, make_param
+from jaxrl.models.linear_layers import GatedDeltaNet, LightningAttention
 from jaxrl.models.sharding import constrain
 
-# Attention kind (ModelConfig.layer_types entry) -> module class. A kind's class takes
-# (config, *, rngs), has `init_cache(batch, max_len)` and is called as
+# Attention kind (ModelConfig.layer_types entry) -> module class. A kind's class is built as
+# `cls(config, rngs=rngs, layer_index=i)`, has `init_cache(batch, max_len)` and is called as
 # `attn(x, positions=, segment_ids=, cache=, kv_segment_ids=, write_index=) -> (y, cache)`.
-ATTENTION_KINDS: dict[str, type[nnx.Module]] = {"full_attention": Attention}
+# The linear kinds keep a fixed-size recurrent state as their cache (jaxrl.models.linear_layers).
+ATTENTION_KINDS: dict[str, type[nnx.Module]] = {
+    "full_attention": Attention,
+    "lightning_attention": LightningAttention,
+    "gated_deltanet": GatedDeltaNet,
+}
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
@@ -64,27 +70,31 @@ class Block(nnx.Module):
     def __init__(self, config: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
         c, pd = config, config.weight_dtype
         self.dtype = c.compute_dtype
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs)
-        self.attn = ATTENTION_KINDS[c.layer_types[layer_index]](c, rngs=rngs)
-        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs)
+        self.residual_from_norm = c.residual_from_norm
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs, offset=c.norm_weight_offset)
+        self.attn = ATTENTION_KINDS[c.layer_types[layer_index]](c, rngs=rngs, layer_index=layer_index)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs,
+                                           offset=c.norm_weight_offset)
         self.is_moe = c.mlp_types[layer_index] == "moe"
         self.mlp = MoE(c, rngs=rngs) if self.is_moe else MLP(c, c.intermediate_size, rngs=rngs)
 
     def __call__(self, h, positions, segment_ids, cache=None, kv_segment_ids=None, write_index=None):
         """h: [B, T, D] float32. Returns (h, cache, (attn_out, mlp_out), (router probs, experts) or None)."""
-        attn_out, cache = self.attn(self.input_norm(h).astype(self.dtype), positions=positions,
+        attn_in = self.input_norm(h)
+        attn_out, cache = self.attn(attn_in.astype(self.dtype), positions=positions,
                                     segment_ids=segment_ids, cache=cache, kv_segment_ids=kv_segment_ids,
                                     write_index=write_index)
         attn_out = checkpoint_name(attn_out, "attention_out")
-        h = h + attn_out
-        mlp_in = self.post_attention_norm(h).astype(self.dtype)
+        h = (attn_in if self.residual_from_norm else h) + attn_out  # MiniMax: residual after the norm
+        mlp_norm = self.post_attention_norm(h)
+        mlp_in = mlp_norm.astype(self.dtype)
         routing = None
         if self.is_moe:
             mlp_out, probs, experts = self.mlp(mlp_in)
             routing = (probs, experts)
         else:
             mlp_out = self.mlp(mlp_in)
-        h = constrain(h + mlp_out, ("batch", "length", "act_embed"))
+        h = constrain((mlp_norm if self.residual_from_norm else h) + mlp_out, ("batch", "length", "act_embed"))
         return h, cache, (attn_out, mlp_out), routing
 
 
@@ -112,7 +122,7 @@ class Decoder(nnx.Module):
         self.config = config
         self.embed = make_param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), pd)
         self.layers = nnx.List([Block(c, i, rngs=rngs) for i in range(c.num_layers)])
-        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs)
+        self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, pd, rngs=rngs, offset=c.norm_weight_offset)
         self.lm_head = (None if c.tie_word_embeddings
                         else make_param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd))
 

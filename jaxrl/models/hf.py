@@ -1,8 +1,11 @@
-"""Hugging Face checkpoints (transformers format) <-> `Decoder`, for Qwen3 and Qwen3-MoE.
+"""Hugging Face checkpoints (transformers format) <-> `Decoder`, for Qwen3, Qwen3-MoE, MiniMax
+and Qwen3-Next.
 
 On disk: `config.json` plus `model.safetensors` or a sharded `model.safetensors.index.json`,
-tensor names and layouts as in transformers' original Qwen3/Qwen3-MoE checkpoints (per-expert
-`mlp.experts.{e}.{gate,up,down}_proj.weight`), which transformers and SGLang both load.
+tensor names and layouts as in transformers' original checkpoints (per-expert
+`mlp.experts.{e}.{gate,up,down}_proj.weight`; MiniMax `block_sparse_moe.experts.{e}.w1/w3/w2`),
+which transformers and SGLang both load. MiniMax checkpoints also hold the lightning layers'
+decay tables (buffers derived from the config): skipped on load, recomputed on save.
 """
 
 from __future__ import annotations
@@ -60,33 +63,91 @@ def _experts(path, names):
     return TensorMap(path, tuple(names), lambda ws: np.stack([w.T for w in ws]), lambda w: [e.T for e in w])
 
 
+def _conv(path, name):
+    """HF depthwise Conv1d [C, 1, K] <-> ours [K, C]."""
+    return TensorMap(path, (name,), lambda ws: ws[0][:, 0, :].T, lambda w: [w.T[:, None, :]])
+
+
+# Linear-attention kinds: (HF module name, {our parameter: (HF tensor suffix, map)}).
+LINEAR_LAYER_TENSORS = {
+    "lightning_attention": ("self_attn", {
+        "qkv_proj": ("qkv_proj.weight", _transposed), "output_gate": ("output_gate.weight", _transposed),
+        "out_proj": ("out_proj.weight", _transposed), "norm": ("norm.weight", _same)}),
+    "gated_deltanet": ("linear_attn", {
+        "in_proj_qkvz": ("in_proj_qkvz.weight", _transposed), "in_proj_ba": ("in_proj_ba.weight", _transposed),
+        "conv1d": ("conv1d.weight", _conv), "dt_bias": ("dt_bias", _same), "A_log": ("A_log", _same),
+        "norm": ("norm.weight", _same), "out_proj": ("out_proj.weight", _transposed)}),
+}
+# MoE tensor names per family: (module, router, {our expert projection: HF name}).
+MOE_TENSORS = {
+    "minimax": ("block_sparse_moe", "gate", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+    "default": ("mlp", "gate", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+}
+
+
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     """Every parameter of `Decoder(config)` and the HF tensors it corresponds to."""
     c = config
     maps = [_same(("embed",), "model.embed_tokens.weight"), _same(("final_norm", "weight"), "model.norm.weight")]
     if not c.tie_word_embeddings:
         maps.append(_transposed(("lm_head",), "lm_head.weight"))
+    moe_module, router, expert_names = MOE_TENSORS.get(c.hf_family, MOE_TENSORS["default"])
+    q_width = 2 * c.head_dim if c.attention_output_gate else c.head_dim
     for i in range(c.num_layers):
         hf, ours = f"model.layers.{i}", ("layers", i)
         maps += [
             _same(ours + ("input_norm", "weight"), f"{hf}.input_layernorm.weight"),
             _same(ours + ("post_attention_norm", "weight"), f"{hf}.post_attention_layernorm.weight"),
-            _heads_in(ours + ("attn", "q_proj"), f"{hf}.self_attn.q_proj.weight", c.num_heads, c.head_dim),
-            _heads_in(ours + ("attn", "k_proj"), f"{hf}.self_attn.k_proj.weight", c.num_kv_heads, c.head_dim),
-            _heads_in(ours + ("attn", "v_proj"), f"{hf}.self_attn.v_proj.weight", c.num_kv_heads, c.head_dim),
-            _heads_out(ours + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", c.num_heads, c.head_dim),
-            _same(ours + ("attn", "q_norm", "weight"), f"{hf}.self_attn.q_norm.weight"),
-            _same(ours + ("attn", "k_norm", "weight"), f"{hf}.self_attn.k_norm.weight"),
         ]
+        if c.layer_types[i] in LINEAR_LAYER_TENSORS:
+            module, params = LINEAR_LAYER_TENSORS[c.layer_types[i]]
+            maps += [make(ours + ("attn", name), f"{hf}.{module}.{suffix}") for name, (suffix, make) in params.items()]
+        else:
+            maps += [
+                _heads_in(ours + ("attn", "q_proj"), f"{hf}.self_attn.q_proj.weight", c.num_heads, q_width),
+                _heads_in(ours + ("attn", "k_proj"), f"{hf}.self_attn.k_proj.weight", c.num_kv_heads, c.head_dim),
+                _heads_in(ours + ("attn", "v_proj"), f"{hf}.self_attn.v_proj.weight", c.num_kv_heads, c.head_dim),
+                _heads_out(ours + ("attn", "o_proj"), f"{hf}.self_attn.o_proj.weight", c.num_heads, c.head_dim),
+            ]
+            if c.qk_norm:
+                maps += [_same(ours + ("attn", "q_norm", "weight"), f"{hf}.self_attn.q_norm.weight"),
+                         _same(ours + ("attn", "k_norm", "weight"), f"{hf}.self_attn.k_norm.weight")]
         if c.mlp_types[i] == "moe":
-            maps.append(_transposed(ours + ("mlp", "router"), f"{hf}.mlp.gate.weight"))
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                names = [f"{hf}.mlp.experts.{e}.{proj}.weight" for e in range(c.num_experts)]
+            maps.append(_transposed(ours + ("mlp", "router"), f"{hf}.{moe_module}.{router}.weight"))
+            for proj, hf_proj in expert_names.items():
+                names = [f"{hf}.{moe_module}.experts.{e}.{hf_proj}.weight" for e in range(c.num_experts)]
                 maps.append(_experts(ours + ("mlp", proj), names))
+            if c.shared_expert_intermediate_size:
+                maps += [_transposed(ours + ("mlp", "shared_expert", proj), f"{hf}.mlp.shared_expert.{proj}.weight")
+                         for proj in ("gate_proj", "up_proj", "down_proj")]
+            if c.shared_expert_gate and c.shared_expert_intermediate_size:
+                maps.append(_transposed(ours + ("mlp", "shared_expert_gate"), f"{hf}.mlp.shared_expert_gate.weight"))
         else:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 maps.append(_transposed(ours + ("mlp", proj), f"{hf}.mlp.{proj}.weight"))
     return maps
+
+
+def derived_tensors(config: ModelConfig) -> dict[str, np.ndarray]:
+    """Buffers transformers stores in MiniMax checkpoints, recomputed from the config as
+    `MiniMaxLightningAttention.decay_factors` does (float32)."""
+    from jaxrl.models.linear_layers import lightning_log_decay
+
+    c, tensors = config, {}
+    steps = np.arange(1, c.linear_chunk_size + 1, dtype=np.float32)
+    for i, kind in enumerate(c.layer_types):
+        if kind != "lightning_attention":
+            continue
+        slope = -np.asarray(lightning_log_decay(c.num_heads, i, c.num_layers), np.float32)[:, None, None]
+        gap = steps[:, None] - steps[None, :]
+        prefix = f"model.layers.{i}.self_attn"
+        tensors.update({
+            f"{prefix}.slope_rate": slope,
+            f"{prefix}.query_decay": np.exp(-slope * steps[:, None]),
+            f"{prefix}.key_decay": np.exp(-slope * (c.linear_chunk_size - steps[:, None])),
+            f"{prefix}.diagonal_decay": np.exp(np.where(gap >= 0, -slope * gap, -np.inf))[None].astype(np.float32),
+        })
+    return tensors
 
 
 def _tensor_files(path: str) -> dict[str, str]:
@@ -126,7 +187,7 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **co
     maps = tensor_maps(config)
     files = _tensor_files(path)
     expected = {name for m in maps for name in m.hf_names}
-    unknown = sorted(set(files) - expected)
+    unknown = sorted(set(files) - expected - set(derived_tensors(config)))
     if config.tie_word_embeddings and "lm_head.weight" in unknown:
         unknown.remove("lm_head.weight")  # some tied checkpoints store the copy; checked below
     if unknown:
@@ -182,6 +243,7 @@ def save_hf_checkpoint(model: Decoder, path: str) -> None:
         value = np.asarray(jax.device_get(flat[m.path][...]))
         for name, array in zip(m.hf_names, m.save(value)):
             tensors[name] = np.ascontiguousarray(array)
+    tensors.update(derived_tensors(config))
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)

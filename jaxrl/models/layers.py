@@ -10,6 +10,8 @@ every matmul accumulation are float32; the matmul inputs are in the config's com
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,52 +39,67 @@ def matmul(x: jax.Array, w: jax.Array, dims: str, dtype) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """`y = w * x / sqrt(mean(x^2) + eps)`, computed in float32; returns float32."""
+    """`y = w * x / sqrt(mean(x^2) + eps)`, computed in float32; returns float32.
+    With `offset` (Qwen3-Next) the scale is `1 + w` and w starts at 0."""
 
-    def __init__(self, size: int, eps: float, param_dtype, *, rngs: nnx.Rngs, logical_axis: str = "norm"):
+    def __init__(self, size: int, eps: float, param_dtype, *, rngs: nnx.Rngs, logical_axis: str = "norm",
+                 offset: bool = False):
         self.eps = eps
+        self.offset = 1.0 if offset else 0.0
         self.weight = make_param(rngs, (size,), (logical_axis,), param_dtype, ones=True)
+        if offset:
+            self.weight[...] = jnp.zeros((size,), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(F32)
         variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-        return self.weight[...].astype(F32) * (x * jax.lax.rsqrt(variance + self.eps))
+        return (self.offset + self.weight[...].astype(F32)) * (x * jax.lax.rsqrt(variance + self.eps))
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE as in transformers' Qwen3 (float32 tables, applied in float32).
+def rotary(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None) -> jax.Array:
+    """Rotate-half RoPE as in transformers' Qwen3 (float32 tables, applied in float32), on the first
+    `rotary_dim` features (all by default; Qwen3-Next's partial rotary leaves the rest unchanged).
 
     x: [B, T, H, Dh]; positions: [B, T] int. Returns float32 [B, T, H, Dh].
     """
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.int32).astype(F32) / head_dim))
-    angles = positions.astype(F32)[..., None] * inv_freq  # [B, T, Dh/2]
+    dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.int32).astype(F32) / dim))
+    angles = positions.astype(F32)[..., None] * inv_freq  # [B, T, dim/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     x = x.astype(F32)
-    half = head_dim // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+    rot, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * jnp.cos(angles) + rotated * jnp.sin(angles), rest], axis=-1)
 
 
 class Attention(nnx.Module):
     """Softmax grouped-query attention with RoPE and per-head q/k RMSNorm (Qwen3).
+
+    Config switches give the hybrid families' softmax layers: `qk_norm=False` (MiniMax);
+    `attention_output_gate` (Qwen3-Next: q_proj yields [query | gate] per head and the output is
+    scaled by sigmoid(gate)), `partial_rotary_factor`, `norm_weight_offset` (Qwen3-Next).
 
     Keys are masked by `kv_slot <= q_slot` and equal segment ids, so the same code serves the
     full forward (slots = positions in the sequence) and decoding into a KV cache (slots =
     cache rows). Padding has segment id 0 and never attends to or is attended by real tokens.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_index: int = 0):
+        del layer_index  # the same at every depth
         c, pd = config, config.weight_dtype
         self.config = config
-        self.q_proj = make_param(rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), pd)
+        q_width = 2 * c.head_dim if c.attention_output_gate else c.head_dim
+        self.q_proj = make_param(rngs, (c.hidden_size, c.num_heads, q_width), ("embed", "heads", "head_dim"), pd)
         self.k_proj = make_param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim),
                                  ("embed", "kv_heads", "head_dim"), pd)
         self.v_proj = make_param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim),
                                  ("embed", "kv_heads", "head_dim"), pd)
         self.o_proj = make_param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), pd)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs, offset=c.norm_weight_offset)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs, offset=c.norm_weight_offset)
+        self.rotary_dim = int(c.head_dim * c.partial_rotary_factor)
 
     def init_cache(self, batch: int, max_len: int) -> dict[str, jax.Array]:
         c = self.config
@@ -97,8 +114,12 @@ class Attention(nnx.Module):
         q = matmul(x, self.q_proj[...], "btd,dhk->bthk", dtype)
         k = matmul(x, self.k_proj[...], "btd,dhk->bthk", dtype)
         v = matmul(x, self.v_proj[...], "btd,dhk->bthk", dtype).astype(dtype)
-        q = rotary(self.q_norm(q), positions, c.rope_theta).astype(dtype)
-        k = rotary(self.k_norm(k), positions, c.rope_theta).astype(dtype)
+        if c.attention_output_gate:
+            q, gate = jnp.split(q, 2, axis=-1)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary(q, positions, c.rope_theta, self.rotary_dim).astype(dtype)
+        k = rotary(k, positions, c.rope_theta, self.rotary_dim).astype(dtype)
         q = constrain(q, ("batch", "length", "act_heads", None))
         batch, length = segment_ids.shape
         q_slot = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
@@ -118,6 +139,8 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=F32)
         out = out.reshape(batch, length, c.num_heads, c.head_dim)
+        if c.attention_output_gate:
+            out = out * jax.nn.sigmoid(gate)
         y = matmul(out, self.o_proj[...], "bthk,hkd->btd", dtype)
         return constrain(y, ("batch", "length", "act_embed")), cache
 
@@ -139,13 +162,58 @@ class MLP(nnx.Module):
         return matmul(hidden, self.down_proj[...], "...i,id->...d", self.dtype)
 
 
+def ragged_dot_is_sparse() -> bool:
+    """Whether this backend runs `jax.lax.ragged_dot` as a grouped matmul. XLA:CPU rewrites it
+    into a dense dot over all groups (E times the FLOPs: measured in bench/moe_flops.py)."""
+    return jax.default_backend() != "cpu"
+
+
+class GroupedMatmul:
+    """`out[r] = lhs[r] @ rhs[expert of row r]` for rows sorted by expert (`group_sizes` [E] rows each).
+
+    With `jax.lax.ragged_dot` where the backend runs it sparsely; elsewhere a blocked grouped
+    matmul of the same FLOPs order: each expert's rows are padded to a multiple of a block of
+    `block` rows, every block holds one expert's rows, and the blocks run as one batched matmul
+    against their expert's weight, `2 (rows + E (block - 1)) D N` FLOPs instead of `2 rows E D N`.
+    Both are deterministic (fixed row order, one dot per row).
+    """
+
+    def __init__(self, group_sizes: jax.Array, rows: int, dtype, *, use_ragged_dot: bool | None = None):
+        self.group_sizes, self.dtype = group_sizes, dtype
+        self.use_ragged_dot = ragged_dot_is_sparse() if use_ragged_dot is None else use_ragged_dot
+        if self.use_ragged_dot:
+            return
+        experts = group_sizes.shape[0]
+        # a block small enough that padding stays under ~1/4 of the rows, at most 128
+        self.block = int(max(1, min(128, 2 ** int(math.log2(max(1, rows // (4 * experts)))))))
+        padded_sizes = -(-group_sizes // self.block) * self.block
+        padded_ends = jnp.cumsum(padded_sizes)
+        self.padded_rows = -(-(rows + experts * (self.block - 1)) // self.block) * self.block
+        expert_of_row = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=rows)
+        rank_in_group = jnp.arange(rows) - (jnp.cumsum(group_sizes) - group_sizes)[expert_of_row]
+        self.destination = (padded_ends - padded_sizes)[expert_of_row] + rank_in_group
+        block_starts = jnp.arange(self.padded_rows // self.block) * self.block
+        self.block_expert = jnp.minimum(jnp.searchsorted(padded_ends, block_starts, side="right"), experts - 1)
+
+    def __call__(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        """lhs [rows, K] sorted by expert, rhs [E, K, N] -> [rows, N] float32."""
+        lhs, rhs = lhs.astype(self.dtype), rhs.astype(self.dtype)
+        if self.use_ragged_dot:
+            return jax.lax.ragged_dot(lhs, rhs, self.group_sizes, preferred_element_type=F32)
+        padded = jnp.zeros((self.padded_rows, lhs.shape[1]), lhs.dtype).at[self.destination].set(
+            lhs, unique_indices=True)
+        blocks = padded.reshape(-1, self.block, lhs.shape[1])
+        out = jnp.einsum("jbk,jkn->jbn", blocks, rhs[self.block_expert], preferred_element_type=F32)
+        return out.reshape(self.padded_rows, -1)[self.destination]
+
+
 class MoE(nnx.Module):
     """Top-k routed SwiGLU experts (Qwen3-MoE), optional shared expert (Qwen2-MoE style, ungated).
 
     Router logits and softmax in float32; `lax.top_k` breaks ties by the lower expert index;
     top-k weights renormalised when `norm_topk_prob`. The k assignments of every token are
-    stably sorted by expert (ties by token, then slot), run through `jax.lax.ragged_dot`
-    grouped matmuls, scaled by their weights, un-permuted and summed over the k slots in slot
+    stably sorted by expert (ties by token, then slot), run through grouped matmuls
+    (`GroupedMatmul`: `jax.lax.ragged_dot`, or a blocked equivalent on CPU), scaled by their weights, un-permuted and summed over the k slots in slot
     order: a fixed permutation and combine order, and no all-experts dense computation.
     """
 
@@ -159,6 +227,8 @@ class MoE(nnx.Module):
         self.down_proj = make_param(rngs, (e, i, d), ("expert", "expert_mlp", "embed"), pd)
         self.shared_expert = (MLP(c, c.shared_expert_intermediate_size, rngs=rngs)
                               if c.shared_expert_intermediate_size else None)
+        self.shared_expert_gate = (make_param(rngs, (d, 1), ("embed", None), pd)
+                                   if self.shared_expert is not None and c.shared_expert_gate else None)
 
     def route(self, x_flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x_flat [N, D] -> (router probs [N, E] f32, top-k weights [N, k] f32, top-k experts [N, k] int32)."""
@@ -180,10 +250,7 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat_experts, stable=True)
         tokens_sorted = x_flat[order // k]
         group_sizes = jnp.bincount(flat_experts, length=c.num_experts).astype(jnp.int32)
-
-        def grouped(lhs, rhs):
-            return jax.lax.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes, preferred_element_type=F32)
-
+        grouped = GroupedMatmul(group_sizes, tokens_sorted.shape[0], dtype)
         gate = grouped(tokens_sorted, self.gate_proj[...])
         up = grouped(tokens_sorted, self.up_proj[...])
         out_sorted = grouped((jax.nn.silu(gate) * up).astype(dtype), self.down_proj[...])
@@ -193,6 +260,9 @@ class MoE(nnx.Module):
         for slot in range(1, k):  # explicit left-to-right slot order
             y = y + out[:, slot]
         if self.shared_expert is not None:
-            y = y + self.shared_expert(x_flat)
+            shared = self.shared_expert(x.astype(dtype))  # [B, T, D]: its activation hints name batch and length
+            if self.shared_expert_gate is not None:
+                shared = shared * jax.nn.sigmoid(matmul(x, self.shared_expert_gate[...], "btd,dg->btg", dtype))
+            y = y + shared.reshape(batch * length, dim)
         y = constrain(y.reshape(batch, length, dim), ("batch", "length", "act_embed"))
         return y, probs.reshape(batch, length, -1), experts.reshape(batch, length, k)
