@@ -250,6 +250,18 @@ def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_s
         is_leaf=lambda node: jax.tree.structure(node) == params_structure)
 
 
+def build_train_step(graphdef, params, optimizer: optax.GradientTransformation, loss_fn: Callable,
+                     mesh: jax.sharding.Mesh) -> TrainStep:
+    """The TrainStep for parameters `params` (real or abstract, e.g. from `nnx.eval_shape`):
+    parameter shardings from their logical axes, optimizer state sharded like them."""
+    param_shardings = state_shardings(params, mesh)
+    with jax.set_mesh(mesh):
+        opt_shardings = optimizer_shardings(optimizer, params, param_shardings, mesh)
+    shardings = {"params": param_shardings, "opt_state": opt_shardings,
+                 "step": NamedSharding(mesh, PartitionSpec())}
+    return TrainStep(graphdef, shardings, mesh, optimizer, loss_fn)
+
+
 def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: Callable,
                     mesh: jax.sharding.Mesh):
     """Shard `model` on `mesh`, initialise the optimizer state sharded like the params.
@@ -260,16 +272,27 @@ def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, 
     graphdef, params = nnx.split(model, nnx.Param)
     if len(jax.tree.leaves(nnx.split(model)[1])) != len(jax.tree.leaves(params)):
         raise ValueError("make_train_step expects a model whose only variables are nnx.Param")
-    param_shardings = state_shardings(params, mesh)
+    step = build_train_step(graphdef, params, optimizer, loss_fn, mesh)
     # A copy: the state is donated at every step and must not alias the caller's model buffers
     # (device_put may reuse a buffer even with may_alias=False when the mesh changes).
     params = jax.tree.map(jnp.copy, params)
     with jax.set_mesh(mesh):
-        params = jax.device_put(params, param_shardings)
-        opt_shardings = optimizer_shardings(optimizer, params, param_shardings, mesh)
-        opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
-    state = {"params": params, "opt_state": opt_state,
-             "step": jax.device_put(np.int32(0), replicated)}
-    return TrainStep(graphdef, shardings, mesh, optimizer, loss_fn), state
+        params = jax.device_put(params, step.shardings["params"])
+        opt_state = jax.jit(optimizer.init, out_shardings=step.shardings["opt_state"])(params)
+    state = {"params": params, "opt_state": opt_state, "step": jax.device_put(np.int32(0), step.shardings["step"])}
+    return step, state
+
+
+def abstract_train_state(step: TrainStep, params) -> dict:
+    """ShapeDtypeStructs (with shardings) of the state `step` takes, for `step.lower` without memory."""
+    def spec(x, sharding):
+        if isinstance(x, nnx.Variable):
+            return x.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    def with_shardings(tree, shardings):
+        return jax.tree.map(spec, tree, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    return {"params": with_shardings(params, step.shardings["params"]),
+            "opt_state": with_shardings(jax.eval_shape(step.optimizer.init, params), step.shardings["opt_state"]),
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=step.shardings["step"])}
