@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from jaxrl.config import ConfigError
+from jaxrl.distributed import MeshMismatchError
 
 
 def _parse(prog: str, argv: Sequence[str], what: str):
@@ -25,10 +26,38 @@ def _parse(prog: str, argv: Sequence[str], what: str):
 
 
 def _load(args):
-    from jaxrl.config import load_config
-    from jaxrl.trainer.config import TrainConfig
+    import dataclasses
+    import os
 
-    return load_config(TrainConfig, args.config, args.overrides)
+    import jax
+
+    from jaxrl import distributed
+    from jaxrl.config import load_config
+    from jaxrl.trainer.config import LoggingConfig, TrainConfig
+
+    config = load_config(TrainConfig, args.config, args.overrides)
+    distributed.check_mesh(dataclasses.asdict(config.mesh))
+    if not distributed.is_main_process():
+        # Logs, TensorBoard and plots come from process 0; the others keep only their own JSONL.
+        own_dir = os.path.join(config.output_dir, f"process-{jax.process_index()}")
+        config = dataclasses.replace(config, output_dir=own_dir,
+                                     logging=LoggingConfig(tensorboard=False, progress=False, plots=False))
+    return config
+
+
+def _run(trainer_class, config, resume: bool) -> int:
+    """Builds and runs the trainer; with several processes a failure in one stops them all."""
+    from jaxrl import distributed
+
+    with distributed.stop_all_on_failure():
+        trainer = trainer_class(config, resume=resume)
+        try:
+            summary = trainer.run()
+        finally:
+            trainer.close()
+    if distributed.is_main_process():
+        _print_summary(summary)
+    return 0
 
 
 def _print_summary(summary: dict) -> None:
@@ -41,17 +70,12 @@ def train_main(argv: Sequence[str]) -> int:
     args = _parse("train", argv, "RL post-training from a config")
     try:
         config = _load(args)
-    except ConfigError as e:
+    except (ConfigError, MeshMismatchError) as e:
         print(f"jaxrl train: config error: {e}", file=sys.stderr)
         return 2
     from jaxrl.trainer.rl import RLTrainer
 
-    trainer = RLTrainer(config, resume=args.resume)
-    try:
-        _print_summary(trainer.run())
-    finally:
-        trainer.close()
-    return 0
+    return _run(RLTrainer, config, args.resume)
 
 
 def sft_main(argv: Sequence[str]) -> int:
@@ -60,14 +84,9 @@ def sft_main(argv: Sequence[str]) -> int:
     args = _parse("sft", argv, "supervised fine-tuning on prompt/response pairs")
     try:
         config = _load(args)
-    except ConfigError as e:
+    except (ConfigError, MeshMismatchError) as e:
         print(f"jaxrl sft: config error: {e}", file=sys.stderr)
         return 2
     from jaxrl.trainer.sft import SFTTrainer
 
-    trainer = SFTTrainer(config, resume=args.resume)
-    try:
-        _print_summary(trainer.run())
-    finally:
-        trainer.close()
-    return 0
+    return _run(SFTTrainer, config, args.resume)
