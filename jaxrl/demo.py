@@ -29,27 +29,44 @@ ALPHABET = "0123456789+="
 WORDS = ("\\boxed{", "}")
 MAX_OPERAND = 50
 HELDOUT = 128
+TEACHER_ACCURACY = 0.5
+TEACHER_SAMPLES = 4
 TARGET_RISE = 0.3
 
 
+def teacher_answer(total: int, rng: random.Random, accuracy: float) -> int:
+    """A weak teacher's answer: right with probability ``accuracy``, else off by 1 or 10."""
+    if rng.random() < accuracy:
+        return total
+    return abs(total + rng.choice((-10, -1, 1, 10)))
+
+
 def write_demo_files(root: str = DEMO_DIR, seed: int = 0, max_operand: int = MAX_OPERAND,
-                     heldout: int = HELDOUT) -> dict[str, str]:
+                     heldout: int = HELDOUT, teacher_accuracy: float = TEACHER_ACCURACY) -> dict[str, str]:
     """Writes the tokenizer folder and the train/held-out JSONL files of ``a+b=`` problems
-    (``0 <= a, b < max_operand``, ``heldout`` of them held out); returns their paths."""
+    (``0 <= a, b < max_operand``, ``heldout`` of them held out); returns their paths.
+
+    Each row has the prompt, the reference ``answer`` (what the reward checks) and a worked
+    ``response`` from a weak teacher (``teacher_answer``) that SFT imitates."""
     from jaxrl.data import make_char_tokenizer
 
     paths = {"tokenizer": os.path.join(root, "tokenizer"), "train": os.path.join(root, "data", "train.jsonl"),
              "heldout": os.path.join(root, "data", "heldout.jsonl")}
     make_char_tokenizer(paths["tokenizer"], ALPHABET, words=WORDS)
     pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
-    random.Random(seed).shuffle(pairs)
+    rng = random.Random(seed)
+    rng.shuffle(pairs)
     os.makedirs(os.path.dirname(paths["train"]), exist_ok=True)
-    for name, chunk in (("heldout", pairs[:heldout]), ("train", pairs[heldout:])):
+    # Training prompts appear TEACHER_SAMPLES times, each with an independent teacher answer, so
+    # SFT sees the teacher's distribution rather than one fixed (possibly wrong) answer per prompt.
+    for name, chunk, copies in (("heldout", pairs[:heldout], 1), ("train", pairs[heldout:], TEACHER_SAMPLES)):
         with open(paths[name], "w") as f:
             for a, b in chunk:
-                row = {"prompt": f"{a}+{b}=", "response": f"\\boxed{{{a + b}}}", "answer": str(a + b),
-                       "task": "math"}
-                f.write(json.dumps(row) + "\n")
+                for _ in range(copies):
+                    worked = teacher_answer(a + b, rng, teacher_accuracy)
+                    row = {"prompt": f"{a}+{b}=", "response": f"\\boxed{{{worked}}}", "answer": str(a + b),
+                           "task": "math"}
+                    f.write(json.dumps(row) + "\n")
     return paths
 
 
