@@ -187,6 +187,8 @@ class Localization:
 
     def plot(self, path: str) -> str:
         """Relative difference per layer, one line per module kind, with the tolerance."""
+        import matplotlib.ticker
+
         from jaxrl.align.plots import plt, save_figure
 
         fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -203,6 +205,7 @@ class Localization:
         if first is not None:
             ax.axvline(first, color="red", lw=0.8, alpha=0.5)
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set(xlabel="layer", ylabel="max|a-b| / max|a|",
                title=f"{self.labels[0]} vs {self.labels[1]}: first divergence "
                      f"{'none' if first is None else f'layer {first}'}")

@@ -192,9 +192,11 @@ def format_summary(report: dict[str, Any]) -> str:
     """A short human-readable summary of ``build_report``'s output."""
     o = report["overall"]
     lo, hi = report["ratio_band"]
+    meta = report["meta"]
+    facts = [f"{k.replace('_', ' ')} {meta[k]}" for k in ("engine", "weight_version", "logprob_kind") if k in meta]
     lines = [
         f"alignment: {o['num_tokens']} model tokens in {o['num_seqs']} sequences"
-        + (f" (weights {report['meta']['weight_version']})" if "weight_version" in report["meta"] else ""),
+        + (f" ({', '.join(facts)})" if facts else ""),
         f"  k3 (vllm-kl) {_fmt(o['k3'])}   k1 {_fmt(o['k1'])}   k2 {_fmt(o['k2'])}",
         f"  |log ratio| mean {_fmt(o['abs_log_ratio_mean'])} max {_fmt(o['abs_log_ratio_max'])}   "
         f"|prob diff| mean {_fmt(o['prob_diff_mean'])}   pearson {_fmt(o['prob_pearson'])}",
@@ -203,12 +205,16 @@ def format_summary(report: dict[str, Any]) -> str:
         f"  tokens with ratio outside [{lo:g}, {hi:g}]: {_fmt(o['frac_outside_ratio_band'])}",
         "  by rollout probability:",
     ]
+    if meta.get("logprob_kind") == "processed":
+        lines.insert(1, "  note: the engine returned PROCESSED logprobs (temperature/top-k/top-p distribution) but the "
+                        "learner recomputes RAW ones: this measures that bias, not an implementation mismatch")
     for row in report["buckets"]:
         if row["num_tokens"]:
             lines.append(f"    [{row['low']:.0e}, {row['high']:.0e}): {row['num_tokens']:7d} tokens  "
                          f"k3 {_fmt(row['k3'])}  max |log ratio| {_fmt(row['abs_log_ratio_max'])}")
     for name, g in report["turns"].items():
         if g["num_tokens"]:
-            lines.append(f"  {name} turn(s): {g['num_tokens']} tokens  k3 {_fmt(g['k3'])}  "
+            label = "first model turn" if name == "first" else "later model turns"
+            lines.append(f"  {label}: {g['num_tokens']} tokens  k3 {_fmt(g['k3'])}  "
                          f"max |log ratio| {_fmt(g['abs_log_ratio_max'])}")
     return "\n".join(lines)
