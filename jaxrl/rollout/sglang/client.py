@@ -223,7 +223,10 @@ def _parse_one(output: dict, prompt_ids, params: SamplingParams, moe_top_k, wher
             raise SGLangResponseError(
                 f"{where}: no meta_info.routed_experts; start the servers with "
                 "ServerConfig.return_routed_experts=True")
-        routes = decode_routed_experts(encoded, len(prompt_ids) + len(output_ids) - 1, moe_top_k)
+        # SGLang reports every fed position; the interface keeps the N that produced the
+        # output tokens (positions P-1 .. P+N-2), as the embedded sampler does.
+        routes = decode_routed_experts(encoded, len(prompt_ids) + len(output_ids) - 1,
+                                       moe_top_k)[len(prompt_ids) - 1:]
     return Sample(
         prompt_ids=np.asarray(prompt_ids, np.int32),
         output_ids=output_ids,

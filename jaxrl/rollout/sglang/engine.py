@@ -125,9 +125,9 @@ class SGLangEngine(RolloutEngine):
                  ) -> list[list[Sample]]:
         """``n`` samples for each prompt: result[i][j] is sample j of prompt i.
 
-        Sample.routed_experts (MoE fleets started with return_routed_experts):
-        int32 [len(prompt) + len(output) - 1, num_layers, top_k], the experts every
-        fed position was routed to, prompt positions first.
+        Sample.routed_experts (MoE fleets started with return_routed_experts): int32
+        [len(output), num_layers, top_k]; row j: the experts of the position whose
+        forward produced output token j (as in ``jaxrl.rollout.base.Sample``).
         """
         self._check_kind(params)
         if n < 1:

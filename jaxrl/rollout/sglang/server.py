@@ -90,7 +90,7 @@ class ServerConfig:
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     startup_timeout_s: float = 300.0
-    stop_timeout_s: float = 10.0
+    stop_timeout_s: float = 5.0
     log_dir: str = "runs/sglang"
     omp_num_threads: int = 1
 
