@@ -57,16 +57,17 @@ class Processes:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self._procs.append((proc, log))
 
-    def start_workers(self, mode: str, out_dir, count: int = 2, extra: tuple[str, ...] = (),
-                      ids: tuple[int, ...] | None = None) -> None:
-        """``mlp_worker.py MODE OUT_DIR`` as processes ``ids`` of ``count``, 4 CPU devices each."""
+    def start_group(self, argv: list[str], count: int = 2, ids: tuple[int, ...] | None = None) -> None:
+        """``argv`` as processes ``ids`` (default all) of a group of ``count`` on 127.0.0.1, 4 CPU devices each."""
         port = free_port()
         for process_id in range(count) if ids is None else ids:
-            self.start(
-                [sys.executable, WORKER, mode, str(out_dir), "--coordinator-address", f"127.0.0.1:{port}",
-                 "--num-processes", str(count), "--process-id", str(process_id), *extra],
-                child_env(4),
-            )
+            self.start([*argv, "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(count),
+                        "--process-id", str(process_id)], child_env(4))
+
+    def start_workers(self, mode: str, out_dir, count: int = 2, extra: tuple[str, ...] = (),
+                      ids: tuple[int, ...] | None = None) -> None:
+        """``mlp_worker.py MODE OUT_DIR [extra]`` as a group (see ``start_group``)."""
+        self.start_group([sys.executable, WORKER, mode, str(out_dir), *extra], count, ids)
 
     def wait_all(self, timeout_s: float) -> list[Finished]:
         deadline = time.monotonic() + timeout_s
