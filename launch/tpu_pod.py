@@ -59,6 +59,19 @@ def tpu_workers(accelerator_type: str) -> int:
     )
 
 
+# The base TPU VM image of each generation (cloud.google.com/tpu/docs/runtimes).
+RUNTIME_VERSIONS = {"v2": "tpu-ubuntu2204-base", "v3": "tpu-ubuntu2204-base", "v4": "tpu-ubuntu2204-base",
+                    "v5p": "v2-alpha-tpuv5", "v5litepod": "v2-alpha-tpuv5-lite", "v5e": "v2-alpha-tpuv5-lite",
+                    "v6e": "v2-alpha-tpuv6e"}
+
+
+def runtime_version(accelerator_type: str) -> str:
+    generation = accelerator_type.rpartition("-")[0]
+    if generation not in RUNTIME_VERSIONS:
+        raise SystemExit(f"--accelerator-type {accelerator_type!r}: no default TPU runtime; give --runtime-version")
+    return RUNTIME_VERSIONS[generation]
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tpu", required=True, help="TPU VM (node) name")
@@ -70,8 +83,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     creation.add_argument("--create", action="store_true", help="create the TPU VM first")
     creation.add_argument("--queued-resource", action="store_true",
                           help="request the slice as a queued resource first and wait until ACTIVE")
-    parser.add_argument("--runtime-version", default="v2-alpha-tpuv5-lite",
-                        help="TPU software version for --create/--queued-resource (default %(default)s)")
+    parser.add_argument("--runtime-version", default=None,
+                        help="TPU software version for --create/--queued-resource (default: the "
+                             "generation's base image, e.g. v2-alpha-tpuv5 for v5p)")
     parser.add_argument("--spot", action="store_true", help="spot capacity for --create/--queued-resource")
     parser.add_argument("--delete-after", action="store_true", help="delete the slice created here at the end")
     parser.add_argument("--sync", action="store_true", help="copy the committed tree (git archive HEAD) to workers")
@@ -88,6 +102,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--create/--queued-resource need --accelerator-type")
     if args.delete_after and not (args.create or args.queued_resource):
         parser.error("--delete-after deletes only a slice this launcher created: add --create or --queued-resource")
+    if (args.create or args.queued_resource) and args.runtime_version is None:
+        args.runtime_version = runtime_version(args.accelerator_type)
     if args.setup == "default":
         args.setup = DEFAULT_SETUP
     return args, command

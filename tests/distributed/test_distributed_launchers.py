@@ -60,7 +60,7 @@ def test_tpu_pod_queued_resource_dry_run_requests_waits_syncs_sets_up_and_delete
     assert out.returncode == 0, out.stderr
     lines = commands(out.stdout)
     assert lines[0] == ["gcloud", "compute", "tpus", "queued-resources", "create", "pod-qr", "--node-id=pod",
-                        "--zone=z", "--accelerator-type=v4-16", "--runtime-version=v2-alpha-tpuv5-lite", "--spot"]
+                        "--zone=z", "--accelerator-type=v4-16", "--runtime-version=tpu-ubuntu2204-base", "--spot"]
     assert "until it prints ACTIVE" in out.stdout and "queued-resources describe pod-qr" in out.stdout
     assert lines[1][:4] == ["git", "-C", REPO, "archive"]
     assert lines[2][:5] == ["gcloud", "compute", "tpus", "tpu-vm", "scp"] and "--worker=all" in lines[2]
