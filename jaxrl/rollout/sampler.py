@@ -111,25 +111,26 @@ def _row_keys(seed, job):
 
 def _generate(graphdef, state, prompt_ids, prompt_lengths, row_keys, temperature, top_k, top_p,
               stop_ids, max_new_tokens, *, new_token_bucket: int, cache_len: int):
-    """Prefill + decode loop. prompt_ids [B, P] right-padded; prompt_lengths [B] (0 = padding row).
+    """Prefill + decode loop. prompt_ids [B, P] left-padded; prompt_lengths [B] (0 = padding row).
 
+    Left padding keeps recurrent (linear-attention) state exact: padding is zeroed at the input,
+    so a zero state stays zero until the first real token, and every row writes its decode
+    tokens at the same cache row P + step (positions still count from each row's first token).
     Returns tokens, raw and processed logprobs [B, N], lengths [B], stopped [B] and routed experts
     [B, N, L_moe, k] (or None), N = new_token_bucket.
     """
     model = nnx.merge(graphdef, state)
     batch, prompt_bucket = prompt_ids.shape
+    pad = (prompt_bucket - prompt_lengths)[:, None]
     slots = jnp.arange(prompt_bucket, dtype=jnp.int32)[None, :]
-    prompt_segments = (slots < prompt_lengths[:, None]).astype(jnp.int32)
-    positions = jnp.broadcast_to(slots, prompt_ids.shape)
+    prompt_segments = (slots >= pad).astype(jnp.int32)
+    positions = jnp.maximum(slots - pad, 0)
     out = model(prompt_ids, positions, prompt_segments, cache=model.init_cache(batch, cache_len))
-    last = jnp.maximum(prompt_lengths - 1, 0)
-    hidden_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)  # [B, 1, D]
-    logits = model.head(hidden_last)[:, 0]
-    # Continue every row right after its own prompt: cache slot == position, as in the recompute.
-    cache = out.cache._replace(index=prompt_lengths.astype(jnp.int32))
+    logits = model.head(out.hidden[:, -1:])[:, 0]
+    cache = out.cache
     routes = None
     if out.routed_experts is not None:
-        first = jnp.take_along_axis(out.routed_experts, last[:, None, None, None], axis=1)[:, 0]
+        first = out.routed_experts[:, -1]
         routes = jnp.zeros((batch, new_token_bucket) + first.shape[1:], jnp.int32).at[:, 0].set(first)
 
     tokens = jnp.zeros((batch, new_token_bucket), jnp.int32)
@@ -275,7 +276,7 @@ class JaxSampler(RolloutEngine):
         prompt_ids = np.zeros((rows, prompt_bucket), np.int32)
         prompt_lengths = np.zeros(rows, np.int32)
         for r, p in enumerate(prompts):
-            prompt_ids[r, :p.size] = p
+            prompt_ids[r, prompt_bucket - p.size:] = p
             prompt_lengths[r] = p.size
         job = np.zeros((rows, 2), np.int32)
         job[:len(ids)] = ids

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from scipy import stats
+from scipy import special, stats
 
 from jaxrl.align.check import collect, score_with_learner
 from jaxrl.align.metrics import build_report
@@ -289,3 +289,18 @@ def test_multi_turn_conversations_and_per_turn_report(model, sampler):
     assert report["turns"]["first"]["num_tokens"] + report["turns"]["later"]["num_tokens"] == batch.model_mask.sum()
     assert report["turns"]["later"]["num_tokens"] > 0
     assert report["overall"]["abs_log_ratio_max"] < 5e-6
+
+
+def test_hybrid_linear_attention_greedy_and_recompute():
+    # Left-padded prefill keeps the recurrent states exact for prompts of different lengths.
+    hybrid = make_model(num_layers=3, layer_types=("lightning_attention", "gated_deltanet", "full_attention"),
+                        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8, linear_chunk_size=4)
+    sampler = JaxSampler(hybrid, max_cache_len=64, max_batch=8)
+    out = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+    all_logits = full_logits(hybrid, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out)])
+    for prompt, (sample,), logits in zip(PROMPTS, out, all_logits):
+        steps = logits[len(prompt) - 1:len(prompt) + 7]
+        np.testing.assert_array_equal(sample.output_ids, np.argmax(steps, axis=-1))
+        expected = special.log_softmax(steps.astype(np.float64), axis=-1)[np.arange(8), sample.output_ids]
+        np.testing.assert_allclose(sample.output_logprobs, expected, atol=5e-5)
