@@ -1,15 +1,16 @@
-"""Compiled FLOPs of linear-attention vs softmax-attention layer stacks as T doubles (not a test).
+"""Compiled FLOPs of a lightning-attention decoder vs the same decoder with softmax attention as T doubles.
 
-Prefill: a stack of lightning-attention layers (MiniMax) vs the same stack with Qwen3-Next gated
-softmax attention, T = 1K .. 32K, batch 1. Printed: FLOPs, growth of total FLOPs per doubling
-(linear -> 2x, softmax -> 4x) and growth of FLOPs per token per doubling (linear -> 1x,
-softmax -> 2x). Decode: one token's FLOPs against a state (linear layers: constant in T) or a
-KV cache of T positions (softmax: grows with T).
+Two `Decoder`s identical but for `layer_types` (all "lightning_attention" vs all "full_attention"),
+batch 1. Prefill (the hidden states of T tokens): FLOPs, growth of total FLOPs per doubling of T
+(linear in T -> 2x, quadratic -> 4x) and growth of FLOPs per token (linear -> 1x, quadratic -> 2x).
+Decode: one token's FLOPs against a cache that holds T positions (linear layers: a fixed-size
+state, so constant in T; softmax: a KV cache read grows with T); the Qwen3-Next gated DeltaNet
+decoder is shown too.
 
-Counts come from `jax.jit(f).lower(...).compile().cost_analysis()`, which counts a while-loop
-body once whatever its trip count. Lightning attention's chunked form has no loop (chunks are
-linked by an associative scan), so its count is complete; the gated delta rule's chunked form
-scans chunks in a loop, so its prefill count would be wrong and it is shown for decode only.
+Counts come from `jax.jit(f).lower(...).compile().cost_analysis()`, which counts a while-loop body
+once whatever its trip count. Lightning attention's chunked form has no loop (chunks are linked by
+an associative scan), so its prefill count is complete; the gated delta rule's chunked form scans
+chunks in a loop, so its prefill is not tabulated (its decode step has no loop).
 
     .venv/bin/python bench/linear_attention_flops.py [--layers 2 --hidden 512 --heads 8 --head-dim 64]
 """
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models import linear_layers as ll
+from jaxrl.models import Decoder, ModelConfig
 
 
 def flops(fn, *args) -> float:
@@ -30,85 +31,70 @@ def flops(fn, *args) -> float:
     return float(cost["flops"])
 
 
-def build(kind: str, args, rngs: nnx.Rngs):
-    if kind == "lightning":
-        return [
-            ll.LightningAttention(args.hidden, args.heads, args.head_dim, layer_idx=i, num_layers=args.layers,
-                                  chunk_size=args.chunk, rngs=rngs)
-            for i in range(args.layers)
-        ]
-    if kind == "delta":
-        return [
-            ll.GatedDeltaNet(args.hidden, args.heads // 2, args.heads, args.head_dim, args.head_dim,
-                             chunk_size=args.chunk, rngs=rngs)
-            for _ in range(args.layers)
-        ]
-    return [ll.GatedAttention(args.hidden, args.heads, args.heads // 2, args.head_dim, rngs=rngs)
-            for _ in range(args.layers)]
+def build(kind: str, args) -> tuple:
+    heads = args.hidden // args.head_dim
+    config = ModelConfig(
+        vocab_size=1024, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_layers=args.layers,
+        num_heads=heads, num_kv_heads=heads, head_dim=args.head_dim, layer_types=(kind,) * args.layers,
+        linear_chunk_size=args.chunk, linear_num_key_heads=heads // 2, linear_num_value_heads=heads,
+        linear_key_head_dim=args.head_dim, linear_value_head_dim=args.head_dim,
+        max_position_embeddings=1024 * args.max_k + 1)
+    return nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
 
 
-def prefill_flops(layers, length: int, hidden: int) -> float:
-    graph, params = nnx.split(layers)
+def prefill_flops(model, length: int) -> float:
+    graph, params = model
 
-    def prefill(params, x):
-        for layer in nnx.merge(graph, params):
-            y, _ = layer(x)
-            x = x + y
-        return x
+    def prefill(params, ids):
+        positions = jnp.arange(length)[None]
+        return nnx.merge(graph, params)(ids, positions).hidden
 
-    return flops(prefill, params, jax.ShapeDtypeStruct((1, length, hidden), jnp.float32))
+    return flops(prefill, params, jax.ShapeDtypeStruct((1, length), jnp.int32))
 
 
-def decode_flops(layers, kind: str, length: int, hidden: int) -> float:
-    graph, params = nnx.split(layers)
-    states = [
-        jax.eval_shape(lambda layer=layer: layer.init_state(1, length + 1) if kind == "softmax" else layer.init_state(1))
-        for layer in layers
-    ]
+def decode_flops(model, length: int) -> float:
+    graph, params = model
+    cache = jax.eval_shape(lambda: nnx.merge(graph, params).init_cache(1, length + 1))
 
-    def decode(params, x, states):
-        for layer, state in zip(nnx.merge(graph, params), states):
-            y, _ = layer.decode(x, state)
-            x = x + y
-        return x
+    def decode(params, ids, cache):
+        positions = jnp.full((1, 1), length)
+        return nnx.merge(graph, params)(ids, positions, cache=cache).hidden
 
-    return flops(decode, params, jax.ShapeDtypeStruct((1, 1, hidden), jnp.float32), states)
+    return flops(decode, params, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--max-k", type=int, default=32, help="largest T in thousands (powers of two from 1K)")
     args = parser.parse_args()
     lengths = [1024 * 2**i for i in range(args.max_k.bit_length()) if 2**i <= args.max_k]
-    with nnx.use_eager_sharding(False):
-        stacks = {kind: build(kind, args, nnx.Rngs(0)) for kind in ("lightning", "delta", "softmax")}
+    models = {kind: build(kind, args) for kind in ("lightning_attention", "full_attention", "gated_deltanet")}
 
-    print(f"prefill, {args.layers} layers, hidden {args.hidden}, {args.heads} heads x {args.head_dim}, "
-          f"chunk {args.chunk}, batch 1")
+    print(f"prefill, {args.layers} decoder layers (attention + dense MLP), hidden {args.hidden}, "
+          f"heads of {args.head_dim}, chunk {args.chunk}, batch 1")
     print(f"{'T':>6} | {'lightning GFLOP':>15} {'x/doubling':>10} {'per-token x':>11} | "
           f"{'softmax GFLOP':>13} {'x/doubling':>10} {'per-token x':>11} | {'softmax/lightning':>17}")
     previous = None
     for length in lengths:
-        lin = prefill_flops(stacks["lightning"], length, args.hidden)
-        soft = prefill_flops(stacks["softmax"], length, args.hidden)
+        lin = prefill_flops(models["lightning_attention"], length)
+        soft = prefill_flops(models["full_attention"], length)
+        cells = [""] * 4
         if previous:
-            growth = (lin / previous[0], soft / previous[1])
-            cells = [f"{growth[0]:10.3f}", f"{growth[0] / 2:11.3f}", f"{growth[1]:10.3f}", f"{growth[1] / 2:11.3f}"]
-        else:
-            cells = [f"{'':>10}", f"{'':>11}", f"{'':>10}", f"{'':>11}"]
-        print(f"{length:>6} | {lin / 1e9:15.3f} {cells[0]} {cells[1]} | {soft / 1e9:13.3f} {cells[2]} {cells[3]} | "
-              f"{soft / lin:17.2f}")
+            cells = [f"{lin / previous[0]:.3f}", f"{lin / previous[0] / 2:.3f}",
+                     f"{soft / previous[1]:.3f}", f"{soft / previous[1] / 2:.3f}"]
+        print(f"{length:>6} | {lin / 1e9:15.3f} {cells[0]:>10} {cells[1]:>11} | {soft / 1e9:13.3f} {cells[2]:>10} "
+              f"{cells[3]:>11} | {soft / lin:17.2f}")
         previous = (lin, soft)
 
-    print("\ndecode step (one token), MFLOP, against a state / KV cache holding T positions")
-    print(f"{'T':>6} | {'lightning':>10} {'delta':>10} {'softmax':>10}")
+    print("\ndecode step (one token), MFLOP, with a cache holding T positions")
+    print(f"{'T':>6} | {'lightning':>10} {'deltanet':>10} {'softmax':>10}")
     for length in lengths:
-        row = [decode_flops(stacks[kind], kind, length, args.hidden) / 1e6 for kind in ("lightning", "delta", "softmax")]
+        row = [decode_flops(models[kind], length) / 1e6
+               for kind in ("lightning_attention", "gated_deltanet", "full_attention")]
         print(f"{length:>6} | " + " ".join(f"{v:10.3f}" for v in row))
 
 

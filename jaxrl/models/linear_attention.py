@@ -41,13 +41,13 @@ def _check_chunk_size(chunk_size: int) -> None:
         )
 
 
-def check_state(state: jax.Array, expected_shape: tuple[int, ...], name: str = "state") -> None:
+def check_state(state: jax.Array, expected_shape: tuple[int, ...], name: str = "state",
+                layout: str = "[batch, heads, key_dim, value_dim]") -> None:
     """Raise a ValueError naming `name` when a decode state has the wrong shape."""
     if tuple(state.shape) != tuple(expected_shape):
         raise ValueError(
-            f"{name} has shape {tuple(state.shape)}, expected {tuple(expected_shape)} "
-            "([batch, heads, key_dim, value_dim]); pass the state returned by prefill of the same "
-            "layer and batch, or None to start from zeros."
+            f"{name} has shape {tuple(state.shape)}, expected {tuple(expected_shape)} ({layout}); pass the "
+            "state returned by prefill of the same layer and batch, or None to start from zeros."
         )
 
 

@@ -146,7 +146,8 @@ class GatedDeltaNet(nnx.Module):
         """x `[B, T, hidden]` -> (y `[B, T, hidden]` float32, DeltaNetState or None)."""
         batch, length, _ = x.shape
         state = self.init_cache(batch) if cache is None else cache
-        kernels.check_state(state.conv, (batch, self.conv_kernel_size - 1, self.conv_dim), "cache.conv")
+        kernels.check_state(state.conv, (batch, self.conv_kernel_size - 1, self.conv_dim), "cache.conv",
+                            "[batch, conv_kernel - 1, conv_dim]")
         hk, hv, dk, dv, group = self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim, self.group
         x = _mask_padding(x, segment_ids)
         qkvz = matmul(x, self.in_proj_qkvz[...], "btd,de->bte", self.dtype)

@@ -460,3 +460,12 @@ def test_hybrid_sharded_equals_single_device(family, float32_gap):
     with jax.set_mesh(mesh):
         got = logits_of(sharded, jax.device_put(jnp.asarray(IDS), jax.sharding.NamedSharding(mesh, jax.P("data"))))
     np.testing.assert_allclose(np.asarray(got), single, atol=max(TOL["atol"], 2 * float32_gap[0]), rtol=TOL["rtol"])
+
+
+def test_decoder_decode_with_a_misshapen_layer_state_names_it(family):
+    _, _, _, model = family
+    cache = model.init_cache(2, IDS.shape[1])
+    bad_first_layer = jax.tree.map(lambda x: x[..., :-1], cache.layers[0])  # layer 0 is linear in both families
+    wrong = cache._replace(layers=(bad_first_layer,) + cache.layers[1:])
+    with pytest.raises(ValueError, match=r"(state|cache.conv) has shape \(2, \d+, \d+(, \d+)?\)"):
+        decode_step(model, jnp.asarray(IDS[:, :1]), jnp.zeros((2, 1), jnp.int32), wrong)
