@@ -8,6 +8,7 @@ HTTP server that answers like SGLang 0.5.23 but wrongly.
 from __future__ import annotations
 
 import base64
+import os
 import http.server
 import json
 import socket
@@ -210,3 +211,82 @@ def test_checkpoint_export_is_atomic(tmp_path, stub_engine):
         broken.update_weights(model, "v9")
     assert list((tmp_path / "pushed").iterdir()) == []
     broken.close()
+
+
+FAKE_LAUNCH_SERVER = '''
+import http.server, os, subprocess, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like SGLang's scheduler
+with open(os.environ["FAKE_PIDS"], "a") as f:
+    f.write(f"{os.getpid()} {child.pid}\\n")
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+FAKE_TRAINER = '''
+import os, signal, sys, time
+from jaxrl.rollout.sglang.server import ServerConfig, ServerManager
+model, port, fake_path, pids, logs, mode = sys.argv[1:]
+config = ServerConfig(model_path=model, base_port=int(port), num_servers=2, python=sys.executable,
+                      env={"PYTHONPATH": fake_path, "FAKE_PIDS": pids}, log_dir=logs, startup_timeout_s=60)
+ServerManager(config).start()
+if mode == "exception":
+    raise RuntimeError("the trainer crashed")
+os.kill(os.getpid(), signal.SIGTERM if mode == "sigterm" else signal.SIGKILL)
+time.sleep(60)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("mode", ["exception", "sigterm", "sigkill"])
+def test_no_server_outlives_a_crashed_trainer(tmp_path, mode):
+    """The trainer dies three ways; its servers (a stand-in for sglang.launch_server that
+    answers /health and starts a child like SGLang's scheduler) must die with it."""
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "fake" / "sglang").mkdir(parents=True)
+    (tmp_path / "fake" / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "fake" / "sglang" / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    pids_file = tmp_path / "pids"
+    base = free_port()
+    while True:  # two consecutive free ports
+        try:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", base + 1))
+            break
+        except OSError:
+            base = free_port()
+    result = subprocess.run(
+        [sys.executable, "-c", FAKE_TRAINER, str(tmp_path / "model"), str(base), str(tmp_path / "fake"),
+         str(pids_file), str(tmp_path / "logs"), mode],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0, result.stderr
+    launchers, children = zip(*(map(int, line.split()) for line in pids_file.read_text().split("\n") if line))
+    assert len(launchers) == 2
+    # SIGKILL leaves no chance to clean up: the kernel kills the launchers (PR_SET_PDEATHSIG);
+    # their children are then SGLang's job (its subprocesses set the same flag), not ours.
+    watched = launchers if mode == "sigkill" else launchers + children
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in watched) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [p for p in watched if _alive(p)]
+    for p in launchers + children:  # clean up what this test started, by pid, pass or fail
+        if _alive(p):
+            os.kill(p, 9)
+    assert not survivors, (mode, survivors)
