@@ -17,14 +17,15 @@ processes are from, in order of precedence:
 With several processes there is one global mesh over every process's
 devices: ``jax.devices()`` lists them all, so the mesh built from a config on
 one host is built from the same config on a pod (:func:`check_mesh` says which
-value to change when it does not fit). Each process feeds only its own rows of
-a global batch (:func:`process_rows`, :func:`global_batch`) and reads
-results back with :func:`to_host` (plain ``np.asarray`` fails on an array
-spread over several processes; plain numpy inputs to a sharded ``jit`` are
-refused: use ``jax.device_put(x, sharding)`` with the same value everywhere or
-:func:`global_batch`); logs and plots
-come from process 0 (:func:`is_main_process`, :func:`main_process_only`); a
-failure in one process stops all of them with that process's error
+value to change when it does not fit). Host data reaches a sharded ``jit`` in
+one of two ways (plain numpy inputs are refused there): every process holds
+the same value and places it with ``jax.device_put(x, sharding)`` (the
+trainer does this: every process reads the same global batch), or each process
+holds only its own rows (:func:`process_rows`) and :func:`global_batch`
+assembles them. Results come back with :func:`to_host` (``np.asarray`` fails
+on an array spread over several processes). Logs and plots come from process
+0 (:func:`is_main_process`, :func:`main_process_only`); a failure in one
+process stops all of them with that process's error
 (:func:`stop_all_on_failure`).
 """
 
@@ -64,7 +65,7 @@ _FAILURE_KEY = "jaxrl/failure"
 _FAILURE_ACK_KEY = "jaxrl/failure_ack/{}"
 # How long a failing process waits for the others to read its error before it exits.
 _FAILURE_ACK_TIMEOUT_S = 10.0
-_FAILURE_POLL_S = 0.2
+_FAILURE_POLL_S = 0.5  # per process, against the coordinator: keep it light for large pods
 
 
 class CoordinatorUnreachableError(RuntimeError):
