@@ -1,14 +1,16 @@
 """The main job on a CPU: a small model learns two-number addition with RL.
 
 1. Writes a character tokenizer and synthetic data under ``runs/demo/``: prompts
-   ``"a+b="`` with ``0 <= a, b < 50``, the worked answer ``"\\boxed{a+b}"`` and the
-   reference answer; 128 prompts are held out (never trained on, by SFT or RL).
+   ``"a+b="`` with ``0 <= a, b < 50``, the reference answer, and worked answers
+   ``"\\boxed{...}"`` from a weak teacher that is right half of the time (otherwise off
+   by 1 or 10), four per prompt; 128 prompts are held out (never trained on).
 2. SFT warm-up (``configs/demo_sft.yaml``): a 2-layer, 64-wide Qwen3-style decoder,
-   trained from scratch on the answers, stopped early, while its sampled answers are
-   still often wrong; exported as a Hugging Face folder.
+   trained from scratch to imitate the teacher, so its sampled answers are right about
+   half of the time; exported as a Hugging Face folder.
 3. GRPO (``configs/demo.yaml``) from that folder with the embedded sampler and the
    math final-answer checker (``jaxrl.reward.MathAnswerReward``, the same code as for
-   real datasets), PPO clip-higher, token-mean aggregation.
+   real datasets), PPO clip-higher, token-mean aggregation: the verifiable reward
+   teaches the model to stop making the teacher's mistakes.
 The held-out reward (mean over 128 held-out prompts x 2 samples at temperature 1,
 scored by the same reward code) is measured before the first RL step and after the
 last; the rise, the timings and the plots' paths are printed at the end.

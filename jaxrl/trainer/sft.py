@@ -22,6 +22,7 @@ from flax import nnx
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.losses.policy import aggregate_loss
 from jaxrl.models import make_mesh, make_train_step, save_hf_checkpoint
+from jaxrl.models.sharding import batch_shardings
 from jaxrl.trainer.checkpoint import Checkpointer
 from jaxrl.trainer.common import accumulate, build_model, build_optimizer, pack_sequences
 from jaxrl.trainer.config import TrainConfig
@@ -86,9 +87,10 @@ class SFTTrainer:
             raise ValueError(
                 f"sft.stages[{index}] (max_length={stage.max_length}) has no pair short enough; the shortest "
                 f"prompt+response has {int(self.lengths.min())} tokens")
+        # As in RL, every process reads the same global batch; the device work is sharded over the
+        # global mesh (jaxrl.distributed), so the batch does not depend on the number of processes.
         self.iterator = BatchIterator(
-            chosen, self.config.sft.batch_size, seed=self.config.data.seed + index, shuffle=self.config.data.shuffle,
-            process_index=jax.process_index(), process_count=jax.process_count())
+            chosen, self.config.sft.batch_size, seed=self.config.data.seed + index, shuffle=self.config.data.shuffle)
         self._stage_index = index
 
     def train_step_once(self) -> dict[str, Any]:
@@ -102,6 +104,8 @@ class SFTTrainer:
         batch = pack_sequences([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
                                self.tokenizer.pad_token_id)
         batch["normalizer"] = np.float32(max(batch["mask"].sum(), 1.0))
+        # Placed on the mesh here: jit refuses numpy inputs for arrays spread over processes.
+        batch = jax.device_put(batch, batch_shardings(batch, self.mesh))
         self.state, metrics = self.train_step(self.state, batch)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.step = step
