@@ -45,6 +45,23 @@ MINIMAX_UNIT_FACTORS = ("full_attn_alpha_factor", "full_attn_beta_factor", "line
                         "linear_attn_beta_factor", "mlp_alpha_factor", "mlp_beta_factor")
 
 
+def layer_pattern(pattern: str, num_layers: int) -> tuple[str, ...]:
+    """`layer_types` from a repeating pattern: "lightning_attention*7,full_attention" over 16 layers is
+    7 linear : 1 softmax twice (Ring-Linear / MiniMax-Text-01 hybrids). `kind*n` repeats a kind n times."""
+    from jaxrl.models.decoder import ATTENTION_KINDS
+
+    cycle: list[str] = []
+    for item in pattern.replace(" ", "").split(","):
+        kind, _, count = item.partition("*")
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"layer pattern {pattern!r} names unknown layer type {kind!r}; "
+                             f"known types: {sorted(ATTENTION_KINDS)}")
+        if count and (not count.isdigit() or int(count) < 1):
+            raise ValueError(f"layer pattern {pattern!r}: repeat count {count!r} of {kind!r} must be a positive integer")
+        cycle += [kind] * int(count or 1)
+    return tuple(cycle[i % len(cycle)] for i in range(num_layers))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder: embeddings, `num_layers` blocks (attention + MLP, pre-RMSNorm), final norm, LM head.

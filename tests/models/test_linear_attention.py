@@ -334,6 +334,18 @@ def test_decode_with_wrong_state_shape_names_it():
         forward(delta, x, good._replace(recurrent=good.recurrent[:1]))
 
 
+def test_layer_pattern_repeats_and_names_unknown_types():
+    from jaxrl.models.config import layer_pattern
+
+    types = layer_pattern("lightning_attention*7, full_attention", 16)
+    assert types == (("lightning_attention",) * 7 + ("full_attention",)) * 2
+    assert tiny_config(num_layers=16, layer_types=types).layer_types == types
+    with pytest.raises(ValueError, match="unknown layer type 'linear'"):
+        layer_pattern("linear*7,full_attention", 8)
+    with pytest.raises(ValueError, match="repeat count '0'"):
+        layer_pattern("gated_deltanet*0,full_attention", 8)
+
+
 def test_unknown_layer_type_is_named():
     with pytest.raises(ValueError, match=r"layer_types\[1\] = 'mamba'"):
         tiny_config(layer_types=("lightning_attention", "mamba", "full_attention", "full_attention"))
