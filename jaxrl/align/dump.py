@@ -71,8 +71,21 @@ class AlignmentBatch:
     def num_sequences(self) -> int:
         return self.token_ids.shape[0]
 
-    def with_learner_logprobs(self, learner_logprobs: np.ndarray) -> "AlignmentBatch":
-        """A copy carrying the learner's recompute ([B, T], token-aligned)."""
+    def with_learner_logprobs(self, learner_logprobs) -> "AlignmentBatch":
+        """A copy carrying the learner's recompute, token-aligned: a [B, T] array, or one
+        array per sequence holding exactly ``lengths[i]`` entries."""
+        if isinstance(learner_logprobs, (list, tuple)):
+            if len(learner_logprobs) != self.num_sequences:
+                raise ValueError(f"learner logprobs are given for {len(learner_logprobs)} sequences but the batch "
+                                 f"has {self.num_sequences}")
+            padded = np.zeros(self.token_ids.shape, np.float32)
+            for i, row in enumerate(learner_logprobs):
+                row = np.asarray(row, np.float32)
+                if row.shape != (self.lengths[i],):
+                    raise ValueError(f"sequence {i}: the learner scored {row.size} tokens but the rollout sequence "
+                                     f"has {self.lengths[i]}; both sources must score the same token sequence")
+                padded[i, :row.size] = row
+            learner_logprobs = padded
         learner = np.where(self.model_mask, np.asarray(learner_logprobs, np.float32), 0.0)
         return dataclasses.replace(self, learner_logprobs=learner)
 

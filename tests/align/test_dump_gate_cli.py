@@ -77,6 +77,15 @@ def test_conversation_with_ragged_fields_is_rejected():
         AlignmentBatch.from_conversations(convs)
 
 
+def test_per_sequence_learner_logprobs_of_another_length_name_the_sequence():
+    batch = AlignmentBatch.from_conversations(conversations())
+    rows = [np.zeros(8, np.float32), np.zeros(5, np.float32)]
+    with pytest.raises(ValueError, match="sequence 1: the learner scored 5 tokens but the rollout sequence has 4"):
+        batch.with_learner_logprobs(rows)
+    scored = batch.with_learner_logprobs([np.full(8, -1.0), np.full(4, -2.0)])
+    assert scored.learner_logprobs[1, 1] == -2.0 and scored.learner_logprobs[1, 0] == 0.0  # prompt stays 0
+
+
 def test_load_names_file_and_missing_arrays(tmp_path):
     path = tmp_path / "bad.npz"
     np.savez(path, token_ids=np.zeros((1, 2), np.int32))
