@@ -325,6 +325,9 @@ class ModelConfig:
                       linear_key_head_dim=self.linear_key_head_dim, linear_value_head_dim=self.linear_value_head_dim,
                       linear_conv_kernel_dim=self.linear_conv_kernel_dim)
         if model_type == "minimax":
+            for key in ("num_experts", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                        "mlp_only_layers", "use_sliding_window", "attention_bias"):  # Qwen3 keys MiniMax lacks
+                hf.pop(key, None)
             hf.update({key: 1 for key in MINIMAX_UNIT_FACTORS}, intermediate_size=self.moe_intermediate_size,
                       num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                       router_aux_loss_coef=self.router_aux_loss_coef, block_size=self.linear_chunk_size,
