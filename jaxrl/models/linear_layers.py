@@ -19,8 +19,11 @@ rows must hold one sequence each (packed segments would leak through the state).
   Dk^-1/2), gated delta rule, per-head RMSNorm gated by silu(z), projection.
 
 Projection weights are `[in, out]` (torch's `nn.Linear.weight` transposed, same output layout),
-so checkpoints convert by a transpose; `hf_tensor_maps` lists them. Logical axes: 'embed' (model
-width), 'heads' (flattened head-major outputs, sharded over whole heads), 'norm', None.
+so checkpoints convert by a transpose (`jaxrl.models.hf.LINEAR_LAYER_TENSORS`). Logical axes: 'embed'
+(model width), 'heads' (flattened head-major outputs: whole heads per shard when the tensor axis
+divides the head count; any split is still correct, the partitioner reshards), 'norm', None.
+The lightning chunked form holds every chunk's end state at once ([B, H, T / chunk, Dk, Dv]
+float32, from its associative scan): pick `linear_chunk_size` with that in mind at long T.
 """
 from __future__ import annotations
 
