@@ -4,8 +4,9 @@
 decode through the model's KV cache (``Decoder.__call__`` with a
 ``DecodeCache``), the whole generation one jitted function per static shape:
 the batch is padded to a power of two (at most ``max_batch`` rows per call),
-prompts to a power-of-two length bucket (at least ``min_prompt_bucket``), the
-cache to prompt bucket + new-token bucket. Sampling parameters are traced
+prompts are left-padded to a power-of-two length bucket (at least
+``min_prompt_bucket``; left, so that linear-attention recurrent states stay
+exact), the cache holds prompt bucket + new-token bucket rows. Sampling parameters are traced
 arguments, so changing temperature, top-p, top-k, stop ids or the seed never
 recompiles.
 
@@ -38,8 +39,11 @@ tiling, and so the order of the float32 sums over ``D``, from the shapes: for
 a ``[M, 256] @ [256, 1024]`` product the rows for ``M`` in 2..50 differ from
 the same rows computed with ``M = 640`` (``M = 1`` and ``M >= 51`` agree,
 measured with jax 0.10.2); attention likewise reduces over the cache length in
-decode but over the sequence in the recompute. The measured figures are in
-tests/rollout/test_sampler.py and the README ("Alignment checker").
+decode but over the sequence in the recompute. ``jaxrl align localize --path
+decode`` shows the first difference at ``layers.0.attn``, about 2e-7 relative,
+staying at that level through the layers; engine-vs-recompute max |dlogp| is
+about 1e-6 and k3 about 1e-13 (tests/rollout/test_sampler.py, the README's
+"Alignment checker" section, bench/sampler_throughput.py).
 """
 
 from __future__ import annotations
