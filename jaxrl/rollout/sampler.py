@@ -217,7 +217,8 @@ class JaxSampler(RolloutEngine):
 
     def update_weights(self, params, version: str) -> None:
         """Samples from ``params`` from now on: an ``nnx.Module``, its ``nnx.State``, or a train
-        state dict holding the state under "params". Kept by reference (no copy)."""
+        state dict holding the state under "params". Kept by reference (no copy), so after a
+        train step that donates its state, call this with the new state before generating."""
         if isinstance(params, nnx.Module):
             params = nnx.state(params)
         elif isinstance(params, dict) and "params" in params:
@@ -262,6 +263,11 @@ class JaxSampler(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> list[list[Sample]]:
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self._state)):
+            # A train step that donates its state deletes the arrays the sampler holds by reference.
+            raise RuntimeError(f"the sampler's weights (version {self._version!r}) were deleted, most likely "
+                               "donated to the learner's update step; call update_weights(new_state, version) "
+                               "with the updated state before generating")
         arrays = self._check_prompts(prompts, params)
         jobs = [(i, j) for i in range(len(arrays)) for j in range(n)]
         results: list[list[Sample | None]] = [[None] * n for _ in arrays]

@@ -240,6 +240,12 @@ def test_update_weights_reads_the_learner_arrays_without_copy(model):
     wrong = jax.tree.map(lambda x: x[..., :1] if x.ndim == 1 else x, nnx.state(model))
     with pytest.raises(ValueError, match="final_norm.*has shape"):
         sampler.update_weights(wrong, "v3")
+    # a donating train step deletes the arrays the sampler references: say so, do not crash later
+    donated = jax.tree.map(lambda x: x + 0, nnx.state(model))
+    sampler.update_weights(donated, "v4")
+    jax.tree.leaves(donated)[0].delete()
+    with pytest.raises(RuntimeError, match="weights \\(version 'v4'\\) were deleted"):
+        sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
 
 
 def test_prompt_longer_than_the_cache_names_the_prompt(sampler):
