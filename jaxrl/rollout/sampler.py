@@ -280,7 +280,9 @@ class JaxSampler(RolloutEngine):
     def _run(self, prompts: list[np.ndarray], ids: list[tuple[int, int]], params: SamplingParams) -> list[Sample]:
         rows = _bucket(len(prompts), 1)
         longest = max(p.size for p in prompts)
-        prompt_bucket = min(_bucket(longest, self.min_prompt_bucket), self.max_cache_len)
+        # Decode writes cache rows prompt_bucket .. prompt_bucket + max_new_tokens - 1: shrink the
+        # bucket when a power of two would run past the cache (the prompt check keeps it >= longest).
+        prompt_bucket = min(_bucket(longest, self.min_prompt_bucket), self.max_cache_len - params.max_new_tokens)
         new_bucket = _bucket(params.max_new_tokens, 1)
         cache_len = min(prompt_bucket + new_bucket, self.max_cache_len)
         prompt_ids = np.zeros((rows, prompt_bucket), np.int32)

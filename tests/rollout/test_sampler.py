@@ -248,6 +248,18 @@ def test_update_weights_reads_the_learner_arrays_without_copy(model):
         sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
 
 
+def test_a_request_that_exactly_fills_the_cache(model):
+    # 14 prompt tokens + 10 new = 24 = max_cache_len: the power-of-two prompt bucket (16) would
+    # push decode past the cache, so the sampler must shrink it.
+    prompt = list(range(1, 15))
+    small = JaxSampler(model, max_cache_len=24, max_batch=8)
+    (sample,), = small.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=10))
+    logits = full_forward(model, [prompt + sample.output_ids.tolist()], width=24)[0][0]
+    np.testing.assert_array_equal(sample.output_ids, np.argmax(logits[13:23], axis=-1))
+    expected = special.log_softmax(logits[13:23].astype(np.float64), axis=-1)[np.arange(10), sample.output_ids]
+    np.testing.assert_allclose(sample.output_logprobs, expected, atol=1e-5)  # an overrun cache corrupts the last steps
+
+
 def test_prompt_longer_than_the_cache_names_the_prompt(sampler):
     with pytest.raises(ValueError, match="prompt 1 has 60 tokens; with max_new_tokens=8 it needs 68 cache rows"):
         sampler.generate([[1, 2], list(range(60))], SamplingParams(max_new_tokens=8))
