@@ -61,7 +61,7 @@ class Fleet:
         self.manager = ServerManager(ServerConfig(
             model_path=str(tmp / name), num_servers=num_servers, base_port=base_port,
             return_routed_experts=config.num_experts > 0, log_dir=str(tmp / f"{name}-logs"),
-            startup_timeout_s=200))
+            startup_timeout_s=200, stop_timeout_s=2))
         self.engine = None
         self.tmp = tmp
         self.name = name
@@ -233,6 +233,8 @@ def test_moe_routed_experts_match_the_learner_router(moe):
 
 def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_duplicates(moe):
     manager = moe.manager
+    # A pushed version first: the restarted server must come back with it, not the start-up weights.
+    moe.engine.update_weights(moe.model, "moe-pushed")
     restarts_before = manager.restarts(0)
     old_pid = manager.pid(0)
     prompts = [[(3 * i + j) % 120 + 1 for j in range(3 + i % 4)] for i in range(24)]
@@ -249,6 +251,7 @@ def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_dupl
         assert len(row) == 2
         for s in row:
             assert s.prompt_ids.tolist() == prompt and len(s.output_ids) == 96
+            assert s.weight_version == "moe-pushed"
             assert np.all(np.isfinite(s.output_logprobs)) and np.all(s.output_logprobs <= 0)
     # The restarted server serves the same weights: its samples still match the learner.
     row = samples[0]
