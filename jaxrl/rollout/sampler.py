@@ -237,7 +237,7 @@ class JaxSampler(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def _check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[np.ndarray]:
-        if isinstance(params, dict) or not isinstance(params, SamplingParams):
+        if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if len(params.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"SamplingParams.stop_token_ids has {len(params.stop_token_ids)} ids; "
