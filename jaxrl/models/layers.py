@@ -193,7 +193,8 @@ class GroupedMatmul:
         rank_in_group = jnp.arange(rows) - (jnp.cumsum(group_sizes) - group_sizes)[expert_of_row]
         self.destination = (padded_ends - padded_sizes)[expert_of_row] + rank_in_group
         block_starts = jnp.arange(self.padded_rows // self.block) * self.block
-        self.block_expert = jnp.minimum(jnp.searchsorted(padded_ends, block_starts, side="right", method="compare_all"), experts - 1)
+        self.block_expert = jnp.minimum(
+            jnp.searchsorted(padded_ends, block_starts, side="right", method="compare_all"), experts - 1)
 
     def __call__(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         """lhs [rows, K] sorted by expert, rhs [E, K, N] -> [rows, N] float32."""

@@ -83,7 +83,7 @@ def constrain(x: jax.Array, logical_axes) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the five mesh axes; their product must equal the number of devices used."""
+    """Sizes of the five mesh axes; the mesh uses the first (product of the sizes) devices."""
 
     data: int = 1
     fsdp: int = 1

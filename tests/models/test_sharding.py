@@ -70,9 +70,6 @@ def test_sharded_logits_and_grads_equal_single_device(reference, name):
         got_logits, got_grads = nnx.jit(logits_and_grads)(sharded, batch)
     np.testing.assert_allclose(np.asarray(got_logits), logits, atol=2e-5, rtol=0)
     assert_grads_close(jax.tree.leaves(got_grads), jax.tree.leaves(grads))
-    # the gradient of a sharded parameter comes back sharded like it
-    assert got_grads["layers"][0]["mlp"]["gate_proj"][...].sharding.spec == \
-        sharded.layers[0].mlp.gate_proj[...].sharding.spec
 
 
 def test_train_step_on_dp_fsdp_tp_mesh_equals_single_device_sgd(reference):
