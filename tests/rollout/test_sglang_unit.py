@@ -194,6 +194,8 @@ def test_prompt_outside_the_vocabulary_names_the_prompt(stub_engine):
     engine, _ = stub_engine
     with pytest.raises(ValueError, match=r"prompt 1 has token ids \[64\] outside \[0, 64\)"):
         engine.generate([[1], [64]], SamplingParams())
+    with pytest.raises(ValueError, match=r"PushConfig.probe_ids has ids up to 99, outside the vocabulary \[0, 64\)"):
+        SGLangEngine(engine.manager, push=PushConfig(probe_ids=(1, 99)))
 
 
 def test_checkpoint_export_is_atomic(tmp_path, stub_engine):

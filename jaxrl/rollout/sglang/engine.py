@@ -73,7 +73,7 @@ class PushConfig:
 
     checkpoint_dir: str = "runs/sglang/checkpoints"
     keep_checkpoints: int = 2
-    probe_ids: tuple[int, ...] = (1, 7, 42, 3, 99, 5, 12, 8, 64, 2, 31, 17)
+    probe_ids: tuple[int, ...] = (1, 7, 23, 3, 29, 5, 12, 8, 30, 2, 31, 17)
     probe_atol: float = 1e-5
 
     def __post_init__(self):
@@ -110,6 +110,9 @@ class SGLangEngine(RolloutEngine):
                                     describe=manager.describe)
         model_config = _read_model_config(manager.model_path)
         self.vocab_size = int(model_config["vocab_size"])
+        if max(push.probe_ids) >= self.vocab_size:
+            raise ValueError(f"PushConfig.probe_ids has ids up to {max(push.probe_ids)}, outside the "
+                             f"vocabulary [0, {self.vocab_size}) of {manager.model_path}; pick smaller ids")
         self._moe_top_k = (int(model_config["num_experts_per_tok"])
                            if manager.config.return_routed_experts else None)
         self._version = manager.weight_version
