@@ -8,6 +8,13 @@ Three call paths share one `__call__`:
 - token logprobs and entropy through the chunked LM head (`token_logprobs`), never [B, T, V].
 
 The residual stream is float32 whatever the compute dtype (SPEC section 5).
+
+Decode vs full forward: both run the same code (same projections, the same masked softmax
+over cache rows laid out exactly like the sequence, empty rows contributing exact zeros), but
+they are not bit-identical on XLA:CPU: its dot kernels round differently for 1 query row than
+for T rows (seen for [1,K]x[K,N] vs [T,K]x[K,N] with K >= 256 and in the attention einsums
+even at head_dim 10). Measured in float32 (tests/models/test_decode.py): 8-10.5 ulps of the
+row's largest logit, about 2.5e-6 on logits of magnitude 4.5, with ~20-25 % of logits exact.
 """
 
 from __future__ import annotations
