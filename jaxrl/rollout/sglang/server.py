@@ -191,19 +191,24 @@ class ServerManager:
             _Server(i, port, url, log_dir / f"server-{i}-port-{port}.log")
             for i, (port, url) in enumerate(zip(config.ports, config.urls))
         ]
+        self._model_path = config.model_path
+        self._weight_version = "default"
+        self._open()
+        _install_exit_handlers()
+
+    def _open(self) -> None:
         # All servers are spawned from this one long-lived thread: PR_SET_PDEATHSIG
         # fires when the spawning *thread* exits, so a short-lived request thread
         # must never be the parent.
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sglang-spawner")
         self._stopped = False
-        self._model_path = config.model_path
-        self._weight_version = "default"
         _LIVE_MANAGERS.add(self)
-        _install_exit_handlers()
 
     # ----- lifecycle -------------------------------------------------------
     def start(self) -> "ServerManager":
-        """Starts every server and waits until all answer ``/health``."""
+        """Starts every server and waits until all answer ``/health`` (again after ``stop()``)."""
+        if self._stopped:
+            self._open()
         self._check_model_path()
         for server in self._servers:
             self._check_port_free(server)
