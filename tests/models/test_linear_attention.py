@@ -254,7 +254,7 @@ def qwen3_next_hf_config(**overrides):
     return config
 
 
-@pytest.mark.parametrize("layer_idx", [0, 2])
+@pytest.mark.parametrize("layer_idx", [2])  # depth-scaled slopes; the model tests cover layers 0, 1, 3
 def test_lightning_layer_matches_minimax(layer_idx):
     from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
 
