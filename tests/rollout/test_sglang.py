@@ -237,11 +237,11 @@ def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_dupl
     moe.engine.update_weights(moe.model, "moe-pushed")
     restarts_before = manager.restarts(0)
     old_pid = manager.pid(0)
-    prompts = [[(3 * i + j) % 120 + 1 for j in range(3 + i % 4)] for i in range(24)]
-    params = SamplingParams(temperature=1.0, max_new_tokens=96)
+    prompts = [[(3 * i + j) % 120 + 1 for j in range(3 + i % 4)] for i in range(48)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=128)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         future = pool.submit(moe.engine.generate, prompts, params, 2)
-        time.sleep(1.0)
+        time.sleep(0.3)
         assert not future.done(), "the batch finished before the kill; make it longer"
         manager.kill(0)
         samples = future.result(timeout=300)
@@ -250,7 +250,7 @@ def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_dupl
     for prompt, row in zip(prompts, samples):
         assert len(row) == 2
         for s in row:
-            assert s.prompt_ids.tolist() == prompt and len(s.output_ids) == 96
+            assert s.prompt_ids.tolist() == prompt and len(s.output_ids) == 128
             assert s.weight_version == "moe-pushed"
             assert np.all(np.isfinite(s.output_logprobs)) and np.all(s.output_logprobs <= 0)
     # The restarted server serves the same weights: its samples still match the learner.
