@@ -214,8 +214,9 @@ class MoE(nnx.Module):
     Router logits and softmax in float32; `lax.top_k` breaks ties by the lower expert index;
     top-k weights renormalised when `norm_topk_prob`. The k assignments of every token are
     stably sorted by expert (ties by token, then slot), run through grouped matmuls
-    (`GroupedMatmul`: `jax.lax.ragged_dot`, or a blocked equivalent on CPU), scaled by their weights, un-permuted and summed over the k slots in slot
-    order: a fixed permutation and combine order, and no all-experts dense computation.
+    (`GroupedMatmul`: `jax.lax.ragged_dot`, or a blocked equivalent on CPU), scaled by their
+    weights, un-permuted and summed over the k slots in slot order: a fixed permutation and
+    combine order, and no all-experts dense computation.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):

@@ -84,8 +84,10 @@ def test_unknown_and_missing_tensors_are_named(tmp_path):
     tensors = read_tensors(tmp_path / "hf")
     for folder, change, pattern in (
             ("extra", lambda t: t.update(stray=np.zeros(3, np.float32)), "stray"),
-            ("missing", lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"), r"model\.layers\.1\.self_attn\.k_norm"),
-            ("shape", lambda t: t.update({"model.norm.weight": np.ones(5, np.float32)}), r"model\.norm\.weight.*\(5,\)")):
+            ("missing", lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"),
+             r"model\.layers\.1\.self_attn\.k_norm"),
+            ("shape", lambda t: t.update({"model.norm.weight": np.ones(5, np.float32)}),
+             r"model\.norm\.weight.*\(5,\)")):
         os.makedirs(tmp_path / folder)
         os.link(tmp_path / "hf" / "config.json", tmp_path / folder / "config.json")
         changed = dict(tensors)

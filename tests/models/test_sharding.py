@@ -24,8 +24,11 @@ def make_batch():
     segments = np.ones((BATCH, LENGTH), np.int32)
     segments[1, :3] = 0  # left padding
     segments[2, 4:] = 2  # a packed second sequence
-    positions = np.where(segments[2] == 2, np.arange(LENGTH) - 4, np.arange(LENGTH))[None].repeat(BATCH, 0)
-    positions = np.where(segments == 0, 0, np.maximum(positions - (segments[1:2] == 0).sum() * (np.arange(BATCH) == 1)[:, None], 0))
+    positions = np.zeros_like(segments)  # counted from 0 within each segment, 0 on padding
+    for row in range(BATCH):
+        for segment in set(segments[row].tolist()) - {0}:
+            where = np.flatnonzero(segments[row] == segment)
+            positions[row, where] = np.arange(len(where))
     return {"input_ids": ids, "positions": positions.astype(np.int32), "segment_ids": segments,
             "targets": np.roll(ids, -1, axis=1), "mask": (segments != 0).astype(np.float32)}
 
