@@ -10,7 +10,7 @@ import pytest
 from jaxrl.demo import run_rl, run_sft, write_demo_files
 
 SFT_STEPS = 400
-RL_STEPS = 30
+RL_STEPS = 40
 
 
 @pytest.mark.slow
@@ -19,9 +19,9 @@ def test_grpo_raises_heldout_reward(tmp_path):
     write_demo_files(root, max_operand=10, heldout=20)
     quiet = ["logging.progress=false", "logging.tensorboard=false", "logging.plots=false"]
     run_sft(root, [f"sft.stages=[{{steps: {SFT_STEPS}, max_length: 16}}]", *quiet])
-    summary = run_rl(root, [f"steps={RL_STEPS}", "rollout.prompts_per_step=16", "eval.samples=8",
+    summary = run_rl(root, [f"steps={RL_STEPS}", "rollout.prompts_per_step=16", "eval.samples=32",
                             "eval.every=0", "checkpoint.directory=", *quiet])
     start, end = summary["heldout_start"], summary["heldout_end"]
     print(f"held-out reward {start:.3f} -> {end:.3f}")
     assert 0.05 < start < 0.8  # SFT taught the format and left room to learn.
-    assert end >= start + 0.05  # Measured: 0.256 -> 0.350; with the advantages negated: 0.256 -> 0.0.
+    assert end >= start + 0.07  # Measured: 0.302 -> 0.450; with the advantages negated: 0.302 -> 0.008.
