@@ -10,14 +10,16 @@ every matmul accumulation are float32; the matmul inputs are in the config's com
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.sharding import constrain
+from jaxrl.models.sharding import constrain, logical_to_spec
 
 F32 = jnp.float32
 INIT_STD = 0.02  # transformers' initializer_range for Qwen3
@@ -169,7 +171,8 @@ def ragged_dot_is_sparse() -> bool:
 
 
 class GroupedMatmul:
-    """`out[r] = lhs[r] @ rhs[expert of row r]` for rows sorted by expert (`group_sizes` [E] rows each).
+    """`out[r] = lhs[r] @ rhs[expert of row r]` for rows sorted by expert (`group_sizes` [E] rows each);
+    rows past `sum(group_sizes)` give zeros.
 
     With `jax.lax.ragged_dot` where the backend runs it sparsely; elsewhere a blocked grouped
     matmul of the same FLOPs order: each expert's rows are padded to a multiple of a block of
@@ -191,7 +194,10 @@ class GroupedMatmul:
         self.padded_rows = -(-(rows + experts * (self.block - 1)) // self.block) * self.block
         expert_of_row = jnp.repeat(jnp.arange(experts), group_sizes, total_repeat_length=rows)
         rank_in_group = jnp.arange(rows) - (jnp.cumsum(group_sizes) - group_sizes)[expert_of_row]
-        self.destination = (padded_ends - padded_sizes)[expert_of_row] + rank_in_group
+        # rows past the groups' total (assignments to other devices' experts) go out of bounds: dropped
+        in_groups = jnp.arange(rows) < jnp.sum(group_sizes)
+        self.destination = jnp.where(in_groups, (padded_ends - padded_sizes)[expert_of_row] + rank_in_group,
+                                     self.padded_rows + jnp.arange(rows))
         block_starts = jnp.arange(self.padded_rows // self.block) * self.block
         self.block_expert = jnp.minimum(
             jnp.searchsorted(padded_ends, block_starts, side="right", method="compare_all"), experts - 1)
@@ -202,10 +208,10 @@ class GroupedMatmul:
         if self.use_ragged_dot:
             return jax.lax.ragged_dot(lhs, rhs, self.group_sizes, preferred_element_type=F32)
         padded = jnp.zeros((self.padded_rows, lhs.shape[1]), lhs.dtype).at[self.destination].set(
-            lhs, unique_indices=True)
+            lhs, unique_indices=True, mode="drop")
         blocks = padded.reshape(-1, self.block, lhs.shape[1])
         out = jnp.einsum("jbk,jkn->jbn", blocks, rhs[self.block_expert], preferred_element_type=F32)
-        return out.reshape(self.padded_rows, -1)[self.destination]
+        return out.reshape(self.padded_rows, -1).at[self.destination].get(mode="fill", fill_value=0)
 
 
 class MoE(nnx.Module):
@@ -232,9 +238,10 @@ class MoE(nnx.Module):
         self.shared_expert_gate = (make_param(rngs, (d, 1), ("embed", None), pd)
                                    if self.shared_expert is not None and c.shared_expert_gate else None)
 
-    def route(self, x_flat: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def route(self, x_flat: jax.Array, router: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x_flat [N, D] -> (router probs [N, E] f32, top-k weights [N, k] f32, top-k experts [N, k] int32)."""
-        logits = jnp.dot(x_flat.astype(F32), self.router[...].astype(F32), preferred_element_type=F32)
+        router = self.router[...] if router is None else router
+        logits = jnp.dot(x_flat.astype(F32), router.astype(F32), preferred_element_type=F32)
         probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, self.config.num_experts_per_tok)
         if self.config.norm_topk_prob:
@@ -245,26 +252,76 @@ class MoE(nnx.Module):
         """x: [B, T, D]. Returns (y [B, T, D] float32, probs [B, T, E] f32, experts [B, T, k] int32)."""
         c, dtype = self.config, self.config.compute_dtype
         batch, length, dim = x.shape
-        k = c.num_experts_per_tok
-        x_flat = x.reshape(batch * length, dim).astype(dtype)
-        probs, weights, experts = self.route(x_flat)
-        flat_experts = experts.reshape(-1)  # [N*k], assignment a belongs to token a // k
-        order = jnp.argsort(flat_experts, stable=True)
-        tokens_sorted = x_flat[order // k]
-        group_sizes = jnp.bincount(flat_experts, length=c.num_experts).astype(jnp.int32)
-        grouped = GroupedMatmul(group_sizes, tokens_sorted.shape[0], dtype)
-        gate = grouped(tokens_sorted, self.gate_proj[...])
-        up = grouped(tokens_sorted, self.up_proj[...])
-        out_sorted = grouped((jax.nn.silu(gate) * up).astype(dtype), self.down_proj[...])
-        out_sorted = out_sorted * weights.reshape(-1)[order][:, None]
-        out = out_sorted[jnp.argsort(order)].reshape(batch * length, k, dim)
-        y = out[:, 0]
-        for slot in range(1, k):  # explicit left-to-right slot order
-            y = y + out[:, slot]
+        mesh = jax.sharding.get_abstract_mesh()
+        batch_axes = logical_to_spec(("batch",), x.shape[:1], mesh)[0] if not mesh.empty else None
+        if not mesh.empty and mesh.shape.get("expert", 1) > 1 and "expert" in (batch_axes or ()):
+            y, probs, experts = self._expert_parallel(x, mesh)
+            y, probs, experts = y.reshape(batch * length, dim), probs.reshape(batch * length, -1), experts
+        else:
+            x_flat = x.reshape(batch * length, dim).astype(dtype)
+            probs, weights, experts = self.route(x_flat)
+            y = self._experts(x_flat, weights, experts, self.gate_proj[...], self.up_proj[...], self.down_proj[...], 0)
         if self.shared_expert is not None:
             shared = self.shared_expert(x.astype(dtype))  # [B, T, D]: its activation hints name batch and length
             if self.shared_expert_gate is not None:
                 shared = shared * jax.nn.sigmoid(matmul(x, self.shared_expert_gate[...], "btd,dg->btg", dtype))
             y = y + shared.reshape(batch * length, dim)
         y = constrain(y.reshape(batch, length, dim), ("batch", "length", "act_embed"))
-        return y, probs.reshape(batch, length, -1), experts.reshape(batch, length, k)
+        return y, probs.reshape(batch, length, -1), experts.reshape(batch, length, -1)
+
+    def _experts(self, x_flat, weights, experts, gate_w, up_w, down_w, first_expert) -> jax.Array:
+        """Contribution of experts `first_expert ...` (as many as `gate_w` holds) to each token.
+
+        x_flat [N, D]; weights, experts [N, k]; gate_w, up_w [E_local, D, I]; down_w [E_local, I, D].
+        Assignments to other experts sort last and contribute 0. Returns [N, D] float32.
+        """
+        dtype, k = self.config.compute_dtype, self.config.num_experts_per_tok
+        local_count = gate_w.shape[0]
+        local = experts.reshape(-1) - first_expert  # [N*k], assignment a belongs to token a // k
+        mine = (local >= 0) & (local < local_count)
+        local = jnp.where(mine, local, local_count)
+        order = jnp.argsort(local, stable=True)
+        tokens_sorted = x_flat[order // k]
+        group_sizes = jnp.bincount(local, length=local_count + 1)[:local_count].astype(jnp.int32)
+        grouped = GroupedMatmul(group_sizes, tokens_sorted.shape[0], dtype)
+        gate = grouped(tokens_sorted, gate_w)
+        up = grouped(tokens_sorted, up_w)
+        out_sorted = grouped((jax.nn.silu(gate) * up).astype(dtype), down_w)
+        out_sorted = out_sorted * jnp.where(mine, weights.reshape(-1), 0.0)[order][:, None]
+        out = out_sorted[jnp.argsort(order)].reshape(x_flat.shape[0], k, -1)
+        y = out[:, 0]
+        for slot in range(1, k):  # explicit left-to-right slot order
+            y = y + out[:, slot]
+        return y
+
+    def _expert_parallel(self, x: jax.Array, mesh):
+        """Expert parallelism over the mesh axis "expert" (tokens sharded over it as part of "batch").
+
+        Each device routes its own tokens, all-gathers tokens and routing over "expert", runs only
+        its E / ep local experts on the assignments to them, and a reduce-scatter over "expert"
+        sums the experts' contributions and hands every device back its own tokens. Expert
+        weights stay sharded over "expert" (other axes are gathered, FSDP style). Shapes are
+        static, so the blocked (CPU) grouped matmul is sized for all gathered assignments: there
+        EP saves expert-weight memory, not FLOPs; ragged_dot need not touch other experts' rows.
+        Only used when "expert" shards the batch (otherwise XLA partitions the plain path).
+        Returns (y [B, T, D] f32, probs [B, T, E] f32, experts [B, T, k] int32).
+        """
+        c, dtype = self.config, self.config.compute_dtype
+        local_count = c.num_experts // mesh.shape["expert"]
+        x_spec = logical_to_spec(("batch", "length", "act_embed"), x.shape, mesh)
+        row_spec = PartitionSpec(x_spec[0], x_spec[1], None)
+        expert_spec = PartitionSpec("expert", None, None)
+
+        def local(x_local, router, gate_w, up_w, down_w):
+            b, t, d = x_local.shape
+            x_flat = x_local.reshape(b * t, d).astype(dtype)
+            probs, weights, experts = self.route(x_flat, router)
+            gather = functools.partial(jax.lax.all_gather, axis_name="expert", tiled=True)
+            y_all = self._experts(gather(x_flat), gather(weights), gather(experts), gate_w, up_w, down_w,
+                                  jax.lax.axis_index("expert") * local_count)
+            y = jax.lax.psum_scatter(y_all, "expert", scatter_dimension=0, tiled=True)
+            return y.reshape(b, t, d), probs.reshape(b, t, -1), experts.reshape(b, t, -1)
+
+        return jax.shard_map(local, in_specs=(x_spec, PartitionSpec(), expert_spec, expert_spec, expert_spec),
+                             out_specs=(x_spec, row_spec, row_spec))(
+            x, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...])

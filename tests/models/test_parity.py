@@ -109,14 +109,17 @@ def test_topk_ties_pick_lower_expert_index(moe_block):
 
 @pytest.mark.parametrize("use_ragged_dot", [True, False])
 def test_grouped_matmul_matches_per_row_reference(use_ragged_dot):
-    """Uneven and empty groups: each row multiplies its own expert's weight, on both paths."""
+    """Uneven and empty groups: each row multiplies its own expert's weight, on both paths;
+    4 rows past the groups' total (other devices' assignments under expert parallelism) give 0."""
     rng = np.random.default_rng(0)
     sizes = np.array([5, 0, 17, 1, 0, 9], np.int32)
-    lhs = rng.standard_normal((sizes.sum(), 12)).astype(np.float32)
+    rows = int(sizes.sum()) + 4
+    lhs = rng.standard_normal((rows, 12)).astype(np.float32)
     rhs = rng.standard_normal((6, 12, 7)).astype(np.float32)
     expert_of_row = np.repeat(np.arange(6), sizes)
-    expected = np.einsum("rk,rkn->rn", lhs.astype(np.float64), rhs[expert_of_row].astype(np.float64))
-    grouped = GroupedMatmul(jnp.asarray(sizes), int(sizes.sum()), jnp.float32, use_ragged_dot=use_ragged_dot)
+    expected = np.einsum("rk,rkn->rn", lhs[:-4].astype(np.float64), rhs[expert_of_row].astype(np.float64))
+    expected = np.concatenate([expected, np.zeros((4, 7))])
+    grouped = GroupedMatmul(jnp.asarray(sizes), rows, jnp.float32, use_ragged_dot=use_ragged_dot)
     np.testing.assert_allclose(np.asarray(jax.jit(grouped.__call__)(lhs, rhs)), expected, atol=1e-5, rtol=0)
 
 

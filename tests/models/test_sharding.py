@@ -71,8 +71,12 @@ def test_sharded_logits_and_grads_equal_single_device(reference, name):
     sharded, _ = shard_model(nnx.clone(model), mesh)
     with jax.set_mesh(mesh):
         got_logits, got_grads = nnx.jit(logits_and_grads)(sharded, batch)
+        lowered = nnx.jit(lambda m, b: m.logits(b["input_ids"], b["positions"], b["segment_ids"])).lower(
+            sharded, batch).as_text()
     np.testing.assert_allclose(np.asarray(got_logits), logits, atol=2e-5, rtol=0)
     assert_grads_close(jax.tree.leaves(got_grads), jax.tree.leaves(grads))
+    # expert parallelism (shard_map: all-gather tokens, local experts, reduce-scatter) iff expert > 1
+    assert ("reduce_scatter" in lowered) == (MESHES[name].expert > 1)
 
 
 def test_train_step_on_dp_fsdp_tp_mesh_equals_single_device_sgd(reference):
