@@ -188,3 +188,26 @@ def test_a_push_that_does_not_load_the_weights_is_caught(files, tmp_path):
     with pytest.raises(PushVerificationError, match="weight version 1 .* differ from the learner's"):
         trainer.train_step_once()
     trainer.close()
+
+
+def test_sft_length_curriculum_and_response_only_loss(files, tmp_path):
+    from jaxrl.trainer.sft import SFTTrainer
+
+    config = make_config(files, tmp_path / "sft", data={"max_response_tokens": 8},
+                         sft={"batch_size": 8, "stages": [{"steps": 3, "max_length": 8}, {"steps": 3, "max_length": 16}]},
+                         optimizer={"lr": 1e-2})
+    trainer = SFTTrainer(config)
+    try:
+        trainer._enter_stage(0)
+        # Stage 0 only sees pairs of at most 8 tokens: one-digit sums ("3+4=" + "\boxed{", "7", "}", eos).
+        lengths = [len(e.prompt_ids) + len(e.response_ids) for e in trainer.iterator.examples]
+        assert max(lengths) == 8 and len(trainer.iterator.examples) < len(trainer.examples)
+        trainer.run()
+    finally:
+        trainer.close()
+    rows = read_jsonl(str(tmp_path / "sft" / "metrics.jsonl"))
+    assert [r["sft/stage"] for r in rows] == [0, 0, 0, 1, 1, 1]
+    assert [r["sft/max_length"] for r in rows] == [8, 8, 8, 16, 16, 16]
+    # The loss is the mean NLL of response tokens only: it equals the logged response NLL.
+    assert all(r["loss"] == pytest.approx(r["nll"], rel=1e-6) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]

@@ -1,0 +1,47 @@
+"""Trainer building blocks against hand-computed values: sequence packing, LR schedules, the CLI's config errors."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxrl.trainer.common import learning_rate_schedule, pack_sequences
+from jaxrl.trainer.config import OptimizerConfig
+
+
+def test_pack_sequences_masks_only_completion_targets():
+    out = pack_sequences([np.array([5, 6, 7]), np.array([8])], [np.array([9, 1]), np.array([2, 3, 1])], 6, 0,
+                         completion_values=[np.array([-0.5, -0.25]), np.array([-1.0, -2.0, -3.0])])
+    np.testing.assert_array_equal(out["input_ids"], [[5, 6, 7, 9, 0, 0], [8, 2, 3, 0, 0, 0]])
+    np.testing.assert_array_equal(out["targets"], [[6, 7, 9, 1, 0, 0], [2, 3, 1, 0, 0, 0]])
+    # Position t predicts targets[t]; only targets that are completion tokens count.
+    np.testing.assert_array_equal(out["mask"], [[0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(out["values"], [[0, 0, -0.5, -0.25, 0, 0], [-1, -2, -3, 0, 0, 0]])
+    with pytest.raises(ValueError, match="sequence 0 has 5 tokens .* allows 4"):
+        pack_sequences([np.array([5, 6, 7])], [np.array([9, 1])], 3, 0)
+
+
+def test_schedules_match_closed_forms():
+    cosine = learning_rate_schedule(OptimizerConfig(lr=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1), 110)
+    assert float(cosine(0)) == 0.0
+    assert float(cosine(5)) == pytest.approx(0.5)
+    assert float(cosine(10)) == pytest.approx(1.0)
+    # Halfway through the decay: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55.
+    assert float(cosine(60)) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi / 2)) / 2, rel=1e-5)
+    assert float(cosine(110)) == pytest.approx(0.1, rel=1e-5)
+    constant = learning_rate_schedule(OptimizerConfig(lr=2.0, warmup_steps=4, schedule="constant"), 100)
+    assert [float(constant(i)) for i in (0, 2, 4, 50)] == pytest.approx([0.0, 1.0, 2.0, 2.0])
+    assert float(learning_rate_schedule(OptimizerConfig(lr=3e-4), 10)(0)) == pytest.approx(3e-4)
+
+
+def test_cli_reports_config_errors_with_exit_code_2(capsys):
+    import os
+
+    from jaxrl.trainer.cli import sft_main, train_main
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    assert train_main([os.path.join(configs, "demo.yaml"), "rollout.group_sizes=4"]) == 2
+    assert "unknown key rollout.group_sizes" in capsys.readouterr().err
+    assert sft_main([os.path.join(configs, "demo_sft.yaml"), "sft.batch_size=0"]) == 2
+    assert "sft.batch_size (0) must be >= 1" in capsys.readouterr().err
