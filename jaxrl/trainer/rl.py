@@ -22,7 +22,6 @@ uninterrupted one exactly (same samples, same updates) on CPU in float32.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -109,7 +108,6 @@ class RLTrainer:
 
     def __init__(self, config: TrainConfig, *, resume: bool = False, engine: RolloutEngine | None = None):
         self.config = config
-        self.resume = resume
         os.makedirs(config.output_dir, exist_ok=True)
         data = config.data
         self.tokenizer = load_tokenizer(data.tokenizer)
@@ -127,7 +125,6 @@ class RLTrainer:
         self.router = build_router(config.reward)
         self.mesh = make_mesh(config.mesh)
         model = build_model(config.model, self.mesh)
-        self.model_config = model.config
         self.length = data.max_prompt_tokens + config.rollout.max_new_tokens - 1
         self.total_updates = config.steps * config.update.mini_batches
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_updates)

@@ -1,6 +1,5 @@
 """Checkpoints: round trip, keep-last-K, a crash mid-save, restore onto another mesh."""
 
-import os
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,6 @@
 """Metrics log (JSONL + TensorBoard), resume truncation, and the end-of-run plots."""
 
 import glob
-import json
 import os
 
 import numpy as np
