@@ -77,7 +77,16 @@ def test_resume_reproduces_the_straight_run(files, tmp_path):
     initial, params_straight = _run(straight)
     first_half = make_config(files, tmp_path / "b", steps=2,
                              checkpoint={**checkpoint, "directory": str(tmp_path / "b" / "ck")})
-    _run(first_half)
+    _, params_half = _run(first_half)
+    # The same checkpoint restores onto another mesh (parameters sharded over fsdp=2).
+    other_mesh = RLTrainer(make_config(files, tmp_path / "b", steps=4, mesh={"fsdp": 2},
+                                       checkpoint={**checkpoint, "directory": str(tmp_path / "b" / "ck")}),
+                           resume=True)
+    assert other_mesh.step == 2
+    assert any(len(x.sharding.device_set) == 2 for x in jax.tree.leaves(other_mesh.state["params"]))
+    for a, b in zip(params_half, _params(other_mesh)):
+        np.testing.assert_array_equal(a, b)
+    other_mesh.close()
     _, params_resumed = _run(make_config(files, tmp_path / "b", steps=4,
                                       checkpoint={**checkpoint, "directory": str(tmp_path / "b" / "ck")}),
                           resume=True)
