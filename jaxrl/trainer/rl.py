@@ -223,7 +223,7 @@ class RLTrainer:
             batch["old_logp"] = batch["rollout_logp"]
         else:
             batch["old_logp"], entropy = self.scorer(self.state["params"], batch)
-            metrics["entropy"] = _masked_mean(entropy, batch["mask"])
+            recomputed_entropy = _masked_mean(entropy, batch["mask"])
             metrics.update(mismatch_metrics(jnp.asarray(batch["old_logp"]), jnp.asarray(batch["rollout_logp"]),
                                             jnp.asarray(batch["mask"])))
         if self.needs_reference:
@@ -250,6 +250,9 @@ class RLTrainer:
         t = time.perf_counter()
         if not skip:
             metrics.update(self._update(batch, step))
+        if not objective.bypass:
+            # The policy's entropy on the whole batch before the update (the loss's is per mini-batch).
+            metrics["entropy"] = recomputed_entropy
         if r.verify_push:  # The logprob spot check of the previous push, on this step's whole batch.
             self.check_push(samples[0][0].weight_version, metrics)
         timings["update"] = time.perf_counter() - t
