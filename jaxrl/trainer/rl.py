@@ -34,7 +34,8 @@ from flax import nnx
 
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.losses import advantages as advantage_lib
-from jaxrl.losses import batch_filter, kl_in_reward, loss_normalizer, mismatch_metrics, rl_objective
+from jaxrl.losses import (batch_filter, kl_in_reward, loss_normalizer, mismatch_metrics,
+                          mismatch_metrics_by_rollout_prob, rl_objective)
 from jaxrl.models import make_mesh, make_train_step, save_hf_checkpoint
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.reward import build_router
@@ -224,8 +225,9 @@ class RLTrainer:
         else:
             batch["old_logp"], entropy = self.scorer(self.state["params"], batch)
             recomputed_entropy = _masked_mean(entropy, batch["mask"])
-            metrics.update(mismatch_metrics(jnp.asarray(batch["old_logp"]), jnp.asarray(batch["rollout_logp"]),
-                                            jnp.asarray(batch["mask"])))
+            pair = (jnp.asarray(batch["old_logp"]), jnp.asarray(batch["rollout_logp"]), jnp.asarray(batch["mask"]))
+            metrics.update(mismatch_metrics(*pair))
+            metrics.update(_bucketed(mismatch_metrics_by_rollout_prob(*pair)))
         if self.needs_reference:
             batch["ref_logp"] = self.scorer(self.reference, batch)[0]
         timings["recompute"] = time.perf_counter() - t
@@ -407,6 +409,19 @@ def _seed(seed: int, step: int) -> int:
 
 def _masked_mean(values: np.ndarray, mask: np.ndarray) -> float:
     return float((values * mask).sum() / max(float(mask.sum()), 1.0))
+
+
+def _bucketed(metrics: dict) -> dict[str, float]:
+    """Per rollout-probability bucket mismatch stats as scalars ``mismatch_bucket/<stat>/<lo>-<hi>``,
+    for the buckets that hold tokens (SPEC 5: the mismatch concentrates on low-probability tokens)."""
+    edges = np.asarray(metrics.pop("mismatch_bucket_edges"))
+    counts = np.asarray(metrics["mismatch_bucket_num_tokens"])
+    out = {}
+    for name, values in metrics.items():
+        stat = name.removeprefix("mismatch_bucket_")
+        for i in np.flatnonzero(counts):
+            out[f"mismatch_bucket/{stat}/{edges[i]:.0e}-{edges[i + 1]:.0e}"] = float(np.asarray(values)[i])
+    return out
 
 
 def _metric_name(name: str) -> str:
