@@ -220,3 +220,29 @@ def test_sft_length_curriculum_and_response_only_loss(files, tmp_path):
     # The loss is the mean NLL of response tokens only: it equals the logged response NLL.
     assert all(r["loss"] == pytest.approx(r["nll"], rel=1e-6) for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_sft_resume_across_a_stage_boundary(files, tmp_path):
+    """SFT: 4 steps straight == 2 steps (end of stage 0), resume, 2 steps (stage 1): identical parameters."""
+    from jaxrl.trainer.sft import SFTTrainer
+
+    def sft(name, resume=False):
+        config = make_config(files, tmp_path / name, data={"max_response_tokens": 8},
+                             sft={"batch_size": 4, "stages": [{"steps": 2, "max_length": 9},
+                                                              {"steps": 2, "max_length": 16}]},
+                             checkpoint={"directory": str(tmp_path / name / "ck"), "every": 1})
+        trainer = SFTTrainer(config, resume=resume)
+        try:
+            if not resume and name == "half":
+                trainer.total_steps = 2  # Stop after stage 0, as a crash would.
+            trainer.run()
+            return _params(trainer)
+        finally:
+            trainer.close()
+
+    straight = sft("straight")
+    sft("half")
+    resumed = sft("half", resume=True)
+    for a, b in zip(straight, resumed):
+        np.testing.assert_array_equal(a, b)
+    assert [r["sft/stage"] for r in read_jsonl(str(tmp_path / "half" / "metrics.jsonl"))] == [0, 0, 1, 1]
