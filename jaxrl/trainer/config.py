@@ -64,7 +64,7 @@ class RolloutConfig:
     reports (raw = what the learner recomputes; SPEC 5). verify_push: after each
     weight push the engine must report the new version, and the next batch's engine
     logprobs must match the learner's recompute within ``push_tolerance`` (max |dlogp|
-    over generated tokens; the spot check runs on every sampled token, at no extra cost;
+    over generated tokens, with raw logprobs; the spot check runs on every sampled token, at no extra cost;
     SGLang additionally checks its probe sequence inside each push).
     """
 

@@ -39,7 +39,7 @@ from jaxrl.losses import (batch_filter, kl_in_reward, loss_normalizer, mismatch_
 from jaxrl.models import make_mesh, make_train_step, save_hf_checkpoint
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.reward import build_router
-from jaxrl.rollout.base import RolloutEngine, SamplingParams
+from jaxrl.rollout.base import LogprobKind, RolloutEngine, SamplingParams
 from jaxrl.trainer.checkpoint import Checkpointer
 from jaxrl.trainer.common import LogprobScorer, accumulate, build_model, build_optimizer, pack_sequences
 from jaxrl.trainer.config import TrainConfig
@@ -255,7 +255,9 @@ class RLTrainer:
         if not objective.bypass:
             # The policy's entropy on the whole batch before the update (the loss's is per mini-batch).
             metrics["entropy"] = recomputed_entropy
-        if r.verify_push:  # The logprob spot check of the previous push, on this step's whole batch.
+        if r.verify_push and r.logprob_kind == LogprobKind.RAW:
+            # The logprob spot check of the previous push, on this step's whole batch (only raw
+            # logprobs are what the learner recomputes; processed ones differ by design).
             self.check_push(samples[0][0].weight_version, metrics)
         timings["update"] = time.perf_counter() - t
 
