@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -61,32 +62,27 @@ def _run(trainer_class, config, resume: bool) -> int:
 
 
 def _print_summary(summary: dict) -> None:
-    print(json.dumps({k: v for k, v in summary.items()}, indent=2, default=str))
+    print(json.dumps(summary, indent=2, default=str))
+
+
+def _main(prog: str, what: str, argv: Sequence[str], trainer_module: str, trainer_name: str) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _parse(prog, argv, what)
+    try:
+        config = _load(args)
+    except (ConfigError, MeshMismatchError) as e:
+        print(f"jaxrl {prog}: config error: {e}", file=sys.stderr)
+        return 2
+    # Imported after the config is valid: a config error is reported without loading JAX models.
+    trainer_class = getattr(importlib.import_module(trainer_module), trainer_name)
+    return _run(trainer_class, config, args.resume)
 
 
 def train_main(argv: Sequence[str]) -> int:
     """RL training (SPEC section 7) from a config; prints a JSON summary at the end."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _parse("train", argv, "RL post-training from a config")
-    try:
-        config = _load(args)
-    except (ConfigError, MeshMismatchError) as e:
-        print(f"jaxrl train: config error: {e}", file=sys.stderr)
-        return 2
-    from jaxrl.trainer.rl import RLTrainer
-
-    return _run(RLTrainer, config, args.resume)
+    return _main("train", "RL post-training from a config", argv, "jaxrl.trainer.rl", "RLTrainer")
 
 
 def sft_main(argv: Sequence[str]) -> int:
     """Supervised fine-tuning from a config (the ``sft`` section); prints a JSON summary."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _parse("sft", argv, "supervised fine-tuning on prompt/response pairs")
-    try:
-        config = _load(args)
-    except (ConfigError, MeshMismatchError) as e:
-        print(f"jaxrl sft: config error: {e}", file=sys.stderr)
-        return 2
-    from jaxrl.trainer.sft import SFTTrainer
-
-    return _run(SFTTrainer, config, args.resume)
+    return _main("sft", "supervised fine-tuning on prompt/response pairs", argv, "jaxrl.trainer.sft", "SFTTrainer")
