@@ -55,7 +55,8 @@ class Checkpointer:
         if not config.directory:
             raise ValueError("Checkpointer needs checkpoint.directory; set it or disable checkpoints")
         self.config = config
-        self.directory = os.path.abspath(config.directory)
+        # A URL (gs://bucket/run) goes to Orbax as given; abspath would turn it into a local "gs:/" folder.
+        self.directory = config.directory if "://" in config.directory else os.path.abspath(config.directory)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(

@@ -219,6 +219,12 @@ class TrainConfig:
     def __post_init__(self):
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if "://" in self.output_dir:
+            raise ValueError(
+                f"output_dir must be a local folder (metrics, TensorBoard and plots are written with plain "
+                f"file I/O), got {self.output_dir!r}; put checkpoints on gs:// or other storage with "
+                f"checkpoint.directory (Orbax writes there) and keep output_dir local"
+            )
         sequences = self.rollout.prompts_per_step * self.rollout.group_size
         split = self.update.mini_batches * self.update.micro_batches
         if sequences % split:

@@ -55,3 +55,13 @@ def test_restore_without_checkpoint_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         ckpt.restore({"x": jnp.zeros(2)})
     ckpt.close()
+
+
+def test_a_bucket_url_reaches_orbax_unchanged(monkeypatch):
+    """checkpoint.directory: gs://... (the TPU pod config) must not become a local relative folder."""
+    import orbax.checkpoint as ocp
+
+    given = []
+    monkeypatch.setattr(ocp, "CheckpointManager", lambda directory, options: given.append(directory))
+    Checkpointer(CheckpointConfig(directory="gs://bucket/run/checkpoints"))
+    assert given == ["gs://bucket/run/checkpoints"]

@@ -174,6 +174,8 @@ def test_shipped_configs_load_and_errors_name_the_key():
         load_config(TrainConfig, demo, ["rollout.group_size=eight"])
     with pytest.raises(ConfigError, match=r"divisible by update.mini_batches \* update.micro_batches = 3"):
         load_config(TrainConfig, demo, ["update.micro_batches=3"])
+    with pytest.raises(ConfigError, match=r"output_dir must be a local folder .*'gs://b/run'.*checkpoint.directory"):
+        load_config(TrainConfig, demo, ["output_dir=gs://b/run"])
 
 
 def test_a_push_that_does_not_load_the_weights_is_caught(files, tmp_path):
