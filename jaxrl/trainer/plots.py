@@ -39,14 +39,26 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def _plot_keys(rows, keys, title, ylabel, path) -> str | None:
+# Divergences of the same kind (>= 0, dimensionless) that read together on one log axis;
+# counts and perplexities logged under mismatch/ would swamp them.
+MISMATCH_PLOT_KEYS = ("mismatch/k3", "mismatch/abs_log_ratio_mean", "mismatch/abs_log_ratio_max",
+                      "mismatch/chi2_token", "mismatch/chi2_seq", "mismatch/prob_diff_mean")
+# Below this a float32 divergence is rounding; plotted at the floor rather than dropped by the log axis.
+LOG_AXIS_FLOOR = 1e-16
+
+
+def _plot_keys(rows, keys, title, ylabel, path, *, log_y: bool = False) -> str | None:
     series = [(key, *_series(rows, key)) for key in keys]
     series = [s for s in series if len(s[1])]
     if not series:
         return None
     fig, ax = _figure(title, ylabel)
     for key, steps, values in series:
+        if log_y:
+            values = np.maximum(np.abs(values), LOG_AXIS_FLOOR)
         ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
+    if log_y:
+        ax.set_yscale("log")
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -78,7 +90,7 @@ def plot_run(rows: Sequence[dict], out_dir: str, *, early_fraction: float = 0.5)
 
     - reward.png: training reward mean and held-out reward;
     - entropy.png: mean token entropy;
-    - mismatch.png: every ``mismatch/*`` metric logged;
+    - mismatch.png: the engine-vs-learner divergences of ``MISMATCH_PLOT_KEYS``, log scale;
     - entropy_law.png: reward vs entropy, the fit ``R = -a exp(H) + b`` on the first
       ``early_fraction`` of steps (SPEC section 4) and its predicted ceiling ``b - a``.
     """
@@ -89,8 +101,9 @@ def plot_run(rows: Sequence[dict], out_dir: str, *, early_fraction: float = 0.5)
                              "reward", "reward", os.path.join(out_dir, "reward.png")),
         "entropy": _plot_keys(rows, ["entropy"], "policy entropy (nats/token)", "entropy",
                               os.path.join(out_dir, "entropy.png")),
-        "mismatch": _plot_keys(rows, [k for k in keys if k.startswith("mismatch/") and "bucket" not in k],
-                               "training-inference mismatch", "value", os.path.join(out_dir, "mismatch.png")),
+        "mismatch": _plot_keys(rows, [k for k in MISMATCH_PLOT_KEYS if k in keys],
+                               "training-inference mismatch (engine vs learner)", "value (log scale)",
+                               os.path.join(out_dir, "mismatch.png"), log_y=True),
     }
     fit = fit_run_entropy_law(rows, early_fraction)
     if fit is not None:
