@@ -18,9 +18,11 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxrl import distributed
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.sharding import state_shardings
@@ -233,17 +235,25 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **co
 
 
 def save_hf_checkpoint(model: Decoder, path: str) -> None:
-    """Write `config.json` and `model.safetensors` (transformers layout, parameter dtype) to `path`."""
+    """Write `config.json` and `model.safetensors` (transformers layout, parameter dtype) to `path`.
+
+    With several JAX processes every process must call this (gathering parameters spread over
+    processes is a collective); process 0 alone writes, and all return once the files are complete.
+    """
     config = model.config
-    hf_config = config.to_hf()
-    os.makedirs(path, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(model)))
-    tensors = {}
-    for m in tensor_maps(config):
-        value = np.asarray(jax.device_get(flat[m.path][...]))
-        for name, array in zip(m.hf_names, m.save(value)):
-            tensors[name] = np.ascontiguousarray(array)
-    tensors.update(derived_tensors(config))
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
+    maps = tensor_maps(config)
+    values = distributed.to_host([flat[m.path][...] for m in maps])
+    if distributed.is_main_process():
+        tensors = {}
+        for m, value in zip(maps, values):
+            for name, array in zip(m.hf_names, m.save(value)):
+                tensors[name] = np.ascontiguousarray(array)
+        tensors.update(derived_tensors(config))
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config.to_hf(), f, indent=2, sort_keys=True)
+    if jax.process_count() > 1:
+        # The others may read the folder next (a push to an inference server): not before it is written.
+        multihost_utils.sync_global_devices(f"jaxrl save_hf_checkpoint {path}")

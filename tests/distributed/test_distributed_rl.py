@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import yaml
+from flax import nnx
 
 from jax_processes import REPO, child_env
 
@@ -45,7 +46,7 @@ def _demo_model_and_data(root) -> list[str]:
     ]
 
 
-def _restore_params(directory: str) -> list[np.ndarray]:
+def _restore_params(directory: str) -> dict[str, np.ndarray]:
     """The parameters of the step-STEPS checkpoint, restored in this process onto one device."""
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     checkpointer = ocp.StandardCheckpointer()
@@ -53,7 +54,16 @@ def _restore_params(directory: str) -> list[np.ndarray]:
     metadata = checkpointer.metadata(path)
     tree = getattr(metadata, "item_metadata", metadata)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=single), tree)
-    return [np.asarray(x) for x in jax.tree.leaves(checkpointer.restore(path, target)["params"])]
+    return _by_path(checkpointer.restore(path, target)["params"])
+
+
+def _by_path(tree) -> dict[str, np.ndarray]:
+    """Leaves keyed by their dict/sequence path ("layers/0/attn/q_proj"), whatever the container types."""
+    def name(path):
+        keys = [str(getattr(k, "key", getattr(k, "idx", None))) for k in path if hasattr(k, "key") or hasattr(k, "idx")]
+        return "/".join(keys[:-1] if keys[-1] == "value" else keys)  # Orbax keeps nnx Variables as {"value": x}
+
+    return {name(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _rows(path: str) -> list[dict]:
@@ -65,7 +75,10 @@ def test_demo_rl_steps_on_two_processes_equal_one_process_with_eight_devices(pro
     overrides = _demo_model_and_data(tmp_path)
     train = [sys.executable, "-m", "jaxrl.cli", "train", "configs/demo.yaml", *overrides]
     two, one = tmp_path / "two", tmp_path / "one"
-    processes.start_group([*train, f"output_dir={two}", f"checkpoint.directory={two / 'ckpt'}"])
+    # fsdp=8 over both processes: each holds only part of every parameter (data=2 x fsdp=4 would
+    # give each a full replica), which the Hugging Face export must gather.
+    processes.start_group([*train, f"output_dir={two}", f"checkpoint.directory={two / 'ckpt'}",
+                           f"checkpoint.export_hf={two / 'hf'}", "mesh.data=1", "mesh.fsdp=8"])
     processes.start([*train, f"output_dir={one}", f"checkpoint.directory={one / 'ckpt'}"], child_env(8))
     results = processes.wait_all(timeout_s=400)
     for result in results:
@@ -88,5 +101,14 @@ def test_demo_rl_steps_on_two_processes_equal_one_process_with_eight_devices(pro
     # The checkpoint the two processes wrote together restores here and equals the one-process run.
     two_params, one_params = _restore_params(str(two / "ckpt")), _restore_params(str(one / "ckpt"))
     assert len(two_params) == len(one_params) > 0
-    for a, b in zip(two_params, one_params):
-        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+    for name in two_params:
+        np.testing.assert_allclose(two_params[name], one_params[name], rtol=0, atol=ATOL, err_msg=name)
+
+    # The Hugging Face export of the two processes (parameters spread over both) loads here and holds
+    # exactly the parameters of their checkpoint.
+    from jaxrl.models import load_hf_checkpoint
+
+    exported = _by_path(nnx.state(load_hf_checkpoint(str(two / "hf")), nnx.Param))
+    assert exported.keys() == two_params.keys()
+    for name in exported:
+        np.testing.assert_array_equal(exported[name], two_params[name], err_msg=name)
