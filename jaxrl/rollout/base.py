@@ -68,7 +68,15 @@ class Sample:
     finish_reason: "stop" (stop id hit) or "length".
     weight_version: the engine's weight version that produced the sample.
     routed_experts: [N, num_moe_layers, top_k] int32 for MoE models when the
-      engine reports routes (rollout routing replay, R3), else None.
+      engine reports routes (rollout routing replay, R3), else None. Row j: the
+      experts of the position whose forward produced output token j, i.e.
+      position P-1+j of ``prompt_ids + output_ids``.
+    prompt_routed_experts: [P-1, num_moe_layers, top_k] int32, the routes of
+      prompt positions 0..P-2 (position P-1 is ``routed_experts[0]``), or None
+      when routed_experts is. ``concatenate([prompt_routed_experts,
+      routed_experts])`` is then the routes of positions 0..P+N-2, every token
+      fed to the model (the last output token never is), as a learner forward
+      over ``prompt_ids + output_ids`` replays them.
     """
 
     prompt_ids: np.ndarray
@@ -78,6 +86,7 @@ class Sample:
     weight_version: str
     logprob_kind: LogprobKind = LogprobKind.RAW
     routed_experts: np.ndarray | None = None
+    prompt_routed_experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass

@@ -120,8 +120,9 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, row_keys, temperature
     Left padding keeps recurrent (linear-attention) state exact: padding is zeroed at the input,
     so a zero state stays zero until the first real token, and every row writes its decode
     tokens at the same cache row P + step (positions still count from each row's first token).
-    Returns tokens, raw and processed logprobs [B, N], lengths [B], stopped [B] and routed experts
-    [B, N, L_moe, k] (or None), N = new_token_bucket.
+    Returns tokens, raw and processed logprobs [B, N], lengths [B], stopped [B], routed experts
+    [B, N, L_moe, k] and the prefill's routed experts [B, P, L_moe, k] (both None for dense
+    models), N = new_token_bucket.
     """
     model = nnx.merge(graphdef, state)
     batch, prompt_bucket = prompt_ids.shape
@@ -132,6 +133,7 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, row_keys, temperature
     out = model(prompt_ids, positions, prompt_segments, cache=model.init_cache(batch, cache_len))
     logits = model.head(out.hidden[:, -1:])[:, 0]
     cache = out.cache
+    prompt_routes = out.routed_experts
     routes = None
     if out.routed_experts is not None:
         first = out.routed_experts[:, -1]
@@ -168,7 +170,7 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, row_keys, temperature
 
     carry = (jnp.zeros((), jnp.int32), logits, cache, done, lengths, tokens, raw, processed, routes)
     _, _, _, done, lengths, tokens, raw, processed, routes = jax.lax.while_loop(keep_going, body, carry)
-    return tokens, raw, processed, lengths, done, routes
+    return tokens, raw, processed, lengths, done, routes, prompt_routes
 
 
 # One jit for every sampler instance: samplers of equal models share compiled buckets.
@@ -308,7 +310,7 @@ class JaxSampler(RolloutEngine):
         else:
             outputs = call()
         # to_host, not device_get: with several processes the outputs span all of them.
-        tokens, raw, processed, lengths, stopped, routes = distributed.to_host(outputs)
+        tokens, raw, processed, lengths, stopped, routes, prompt_routes = distributed.to_host(outputs)
         chosen = raw if params.logprob_kind == LogprobKind.RAW else processed
         samples = []
         for r, p in enumerate(prompts):
@@ -317,7 +319,10 @@ class JaxSampler(RolloutEngine):
                 prompt_ids=p, output_ids=tokens[r, :n].copy(), output_logprobs=chosen[r, :n].copy(),
                 finish_reason="stop" if stopped[r] else "length", weight_version=self._version,
                 logprob_kind=params.logprob_kind,
-                routed_experts=None if routes is None else routes[r, :n].copy()))
+                routed_experts=None if routes is None else routes[r, :n].copy(),
+                # Left padding: the prompt fills the last p.size slots; the last one is routes[r, 0].
+                prompt_routed_experts=None if prompt_routes is None
+                else prompt_routes[r, prompt_bucket - p.size:prompt_bucket - 1].copy()))
         return samples
 
 

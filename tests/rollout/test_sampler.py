@@ -276,6 +276,9 @@ def test_moe_routed_experts_match_the_full_forward():
         assert sample.routed_experts.shape == (8, 1, 2)
         # output token j is predicted from input position len(prompt) - 1 + j
         np.testing.assert_array_equal(sample.routed_experts, route[len(prompt) - 1:len(prompt) + 7])
+        # the prefill's routes of prompt positions 0..P-2 (left-padded there, not here)
+        assert sample.prompt_routed_experts.shape == (len(prompt) - 1, 1, 2)
+        np.testing.assert_array_equal(sample.prompt_routed_experts, route[:len(prompt) - 1])
 
 
 def test_sharded_sampler_matches_one_device(model, sampler):

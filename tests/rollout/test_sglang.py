@@ -1,15 +1,14 @@
 """SGLangEngine against real SGLang servers (CPU, float32, `.venv-sglang`).
 
-Two fleets start once for the whole session, side by side: one dense Qwen3
-server and two Qwen3-MoE servers (data parallel, routes returned). Models are
-random ``jaxrl.models.Decoder``s written with ``save_hf_checkpoint``; references
-are the learner's recompute (``jaxrl.align``) and a transformers forward.
+The servers are the session fixtures ``sglang_dense`` (one dense Qwen3 server)
+and ``sglang_moe`` (two Qwen3-MoE servers, routes returned) of tests/conftest.py,
+shared with the other SGLang tests; references are the learner's recompute
+(``jaxrl.align``) and a transformers forward.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 import time
 
 import numpy as np
@@ -18,83 +17,19 @@ import torch
 import transformers
 
 from jaxrl.align.check import check_engine, learner_logprobs
-from jaxrl.models import Decoder, ModelConfig
+from jaxrl.models import Decoder
 from jaxrl.rollout.base import Conversation, LogprobKind, SamplingParams
-from jaxrl.rollout.sglang import (
-    ClientConfig,
-    PushConfig,
-    SGLangEngine,
-    ServerConfig,
-    ServerManager,
-    WeightPushError,
-)
+from jaxrl.rollout.sglang import PushConfig, SGLangEngine, WeightPushError
 from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
-from jaxrl.rollout.sglang.testing import random_decoder, write_random_checkpoint
+from jaxrl.rollout.sglang.testing import random_decoder
 
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.skipif(not CPU_VENV_PYTHON.exists(), reason="run scripts/setup_sglang_cpu.sh first"),
 ]
 
-DENSE = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=8, max_position_embeddings=512)
-MOE = DENSE.replace(mlp_types=("moe", "moe"), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21, 22]]
 ALIGN_TOL = 1e-5  # issue 5: learner recompute vs SGLang, float32
-
-
-def _free_base_port(count: int) -> int:
-    for base in range(31200, 32000, 10):
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free ports in 31200-32000")
-
-
-class Fleet:
-    def __init__(self, tmp, name, config: ModelConfig, num_servers, base_port):
-        self.model = write_random_checkpoint(str(tmp / name), config, seed=1)
-        self.manager = ServerManager(ServerConfig(
-            model_path=str(tmp / name), num_servers=num_servers, base_port=base_port,
-            return_routed_experts=config.num_experts > 0, log_dir=str(tmp / f"{name}-logs"),
-            startup_timeout_s=200, stop_timeout_s=2))
-        self.engine = None
-        self.tmp = tmp
-        self.name = name
-
-    def start(self):
-        self.manager.start()
-        self.engine = SGLangEngine(self.manager, push=PushConfig(checkpoint_dir=str(self.tmp / f"{self.name}-pushed")),
-                                   client=ClientConfig(max_tries=4, backoff_s=0.2))
-        return self
-
-
-@pytest.fixture(scope="session")
-def fleets(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sglang")
-    base = _free_base_port(3)
-    dense, moe = Fleet(tmp, "dense", DENSE, 1, base), Fleet(tmp, "moe", MOE, 2, base + 1)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for f in [pool.submit(dense.start), pool.submit(moe.start)]:
-            f.result()
-    yield {"dense": dense, "moe": moe}
-    for fleet in (dense, moe):
-        fleet.engine.close()
-        fleet.manager.stop()
-
-
-@pytest.fixture(scope="session")
-def dense(fleets):
-    return fleets["dense"]
-
-
-@pytest.fixture(scope="session")
-def moe(fleets):
-    return fleets["moe"]
 
 
 def hf_logits(model_path: str, token_ids) -> torch.Tensor:
@@ -104,24 +39,24 @@ def hf_logits(model_path: str, token_ids) -> torch.Tensor:
         return model(torch.tensor([list(token_ids)])).logits[0].double()
 
 
-def test_raw_logprobs_match_the_learner_recompute_through_the_alignment_checker(dense):
+def test_raw_logprobs_match_the_learner_recompute_through_the_alignment_checker(sglang_dense):
     params = SamplingParams(temperature=1.0, max_new_tokens=16)
-    batch, report, _ = check_engine(dense.engine, dense.model, PROMPTS, params, n=2, figures=False)
+    batch, report, _ = check_engine(sglang_dense.engine, sglang_dense.model, PROMPTS, params, n=2, figures=False)
     overall = report["overall"]
     assert overall["num_tokens"] == len(PROMPTS) * 2 * 16
     assert overall["abs_log_ratio_max"] <= ALIGN_TOL, overall
-    assert report["meta"]["weight_version"] == "default"
+    assert report["meta"]["weight_version"] == sglang_dense.engine.weight_version
 
 
-def test_which_distribution_comes_back_raw_and_processed(dense):
+def test_which_distribution_comes_back_raw_and_processed(sglang_dense):
     """At T=0.7 with top-k 5: RAW is log_softmax(logits), PROCESSED is log_softmax(logits / T)
     renormalised over the top 5, both against a transformers forward of the same tokens."""
     prompt, temperature, top_k = [3, 1, 4, 1, 5, 9], 0.7, 5
     for kind in (LogprobKind.RAW, LogprobKind.PROCESSED):
         params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=12, logprob_kind=kind)
-        sample = dense.engine.generate([prompt], params)[0][0]
+        sample = sglang_dense.engine.generate([prompt], params)[0][0]
         assert sample.logprob_kind == kind
-        logits = hf_logits(dense.manager.model_path, prompt + sample.output_ids.tolist())[len(prompt) - 1:-1]
+        logits = hf_logits(sglang_dense.manager.model_path, prompt + sample.output_ids.tolist())[len(prompt) - 1:-1]
         tokens = torch.tensor(sample.output_ids.tolist())[:, None].long()
         raw = logits.log_softmax(-1).gather(-1, tokens)[:, 0].numpy()
         scaled = (logits / temperature)
@@ -132,18 +67,18 @@ def test_which_distribution_comes_back_raw_and_processed(dense):
         assert np.max(np.abs(want - other)) > 1e-2  # the two kinds are told apart on this model
 
 
-def test_multi_turn_continues_by_ids_and_matches_the_learner(dense):
+def test_multi_turn_continues_by_ids_and_matches_the_learner(sglang_dense):
     params = SamplingParams(temperature=1.0, max_new_tokens=6)
     conversations = [Conversation.from_prompt(p) for p in PROMPTS[:3]]
-    conversations = dense.engine.continue_conversations(conversations, params)
+    conversations = sglang_dense.engine.continue_conversations(conversations, params)
     conversations = [c.add_environment_tokens([100, 101]) for c in conversations]
-    conversations = dense.engine.continue_conversations(conversations, params)
+    conversations = sglang_dense.engine.continue_conversations(conversations, params)
     for conversation, prompt in zip(conversations, PROMPTS[:3]):
         assert conversation.num_model_turns == 2
         assert conversation.token_ids[:len(prompt)].tolist() == prompt
         assert len(conversation.token_ids) == len(prompt) + 6 + 2 + 6
         ids = conversation.token_ids[None]
-        learner = learner_logprobs(dense.model, ids, np.asarray([ids.shape[1]]))[0]
+        learner = learner_logprobs(sglang_dense.model, ids, np.asarray([ids.shape[1]]))[0]
         mask = conversation.model_mask.astype(bool)
         assert np.max(np.abs(learner[mask] - conversation.rollout_logprobs[mask])) <= ALIGN_TOL
 
@@ -152,8 +87,8 @@ def perturbed(model: Decoder, seed: int) -> Decoder:
     return random_decoder(model.config, seed=seed)
 
 
-def test_weight_push_changes_outputs_restores_them_bit_for_bit_and_bumps_the_version(dense):
-    engine, original = dense.engine, dense.model
+def test_weight_push_changes_outputs_restores_them_bit_for_bit_and_bumps_the_version(sglang_dense):
+    engine, original = sglang_dense.engine, sglang_dense.model
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
 
     def one_at_a_time():
@@ -183,25 +118,25 @@ def test_weight_push_changes_outputs_restores_them_bit_for_bit_and_bumps_the_ver
         np.testing.assert_array_equal(a[0].output_logprobs, b[0].output_logprobs)  # bit for bit
 
 
-def test_spot_check_catches_a_wrong_push(dense, tmp_path):
+def test_spot_check_catches_a_wrong_push(sglang_dense, tmp_path):
     """The export writes other weights than the learner holds: the probe check must fail."""
-    wrong = perturbed(dense.model, seed=11)
+    wrong = perturbed(sglang_dense.model, seed=11)
     from jaxrl.models import save_hf_checkpoint
 
-    lying = SGLangEngine(dense.manager, export_fn=lambda params, path: save_hf_checkpoint(wrong, path),
+    lying = SGLangEngine(sglang_dense.manager, export_fn=lambda params, path: save_hf_checkpoint(wrong, path),
                          push=PushConfig(checkpoint_dir=str(tmp_path)))
     with pytest.raises(WeightPushError) as err:
-        lying.update_weights(dense.model, "step-bad")
+        lying.update_weights(sglang_dense.model, "step-bad")
     message = str(err.value)
-    assert dense.manager.urls[0] in message and "differ from the learner's recompute" in message
+    assert sglang_dense.manager.urls[0] in message and "differ from the learner's recompute" in message
     lying.close()
     # Put the learner's weights back for the tests that follow.
-    dense.engine.update_weights(dense.model, "step-restored")
+    sglang_dense.engine.update_weights(sglang_dense.model, "step-restored")
 
 
-def test_two_servers_serve_one_batch_complete_and_in_order(moe):
+def test_two_servers_serve_one_batch_complete_and_in_order(sglang_moe):
     prompts = [[(7 * i + j) % 120 + 1 for j in range(2 + i % 5)] for i in range(12)]
-    samples = moe.engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8), n=3)
+    samples = sglang_moe.engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8), n=3)
     assert len(samples) == len(prompts)
     for prompt, row in zip(prompts, samples):
         assert len(row) == 3
@@ -214,33 +149,35 @@ def test_two_servers_serve_one_batch_complete_and_in_order(moe):
     padded = np.zeros((len(sequences), lengths.max()), np.int32)
     for k, q in enumerate(sequences):
         padded[k, :len(q)] = q
-    learner = learner_logprobs(moe.model, padded, lengths)
+    learner = learner_logprobs(sglang_moe.model, padded, lengths)
     for k, s in enumerate(s for row in samples for s in row):
         want = learner[k, len(s.prompt_ids):lengths[k]]
         assert np.max(np.abs(s.output_logprobs - want)) <= ALIGN_TOL, k
 
 
-def test_moe_routed_experts_match_the_learner_router(moe):
+def test_moe_routed_experts_match_the_learner_router(sglang_moe):
     prompt = [5, 17, 33, 2, 90, 61]
-    sample = moe.engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=6))[0][0]
+    sample = sglang_moe.engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=6))[0][0]
     fed = np.concatenate([sample.prompt_ids, sample.output_ids])[:-1]
     assert sample.routed_experts.shape == (6, 2, 2)
-    out = moe.model(fed[None], np.arange(len(fed))[None])
+    out = sglang_moe.model(fed[None], np.arange(len(fed))[None])
     learner_routes = np.asarray(out.routed_experts[0])[len(prompt) - 1:]  # [output tokens, layers, top_k]
     # Same expert sets (the order within a top-k row is each side's own).
     np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(learner_routes, -1))
+    prompt_routes = np.asarray(out.routed_experts[0])[:len(prompt) - 1]
+    np.testing.assert_array_equal(np.sort(sample.prompt_routed_experts, -1), np.sort(prompt_routes, -1))
 
 
-def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_duplicates(moe):
-    manager = moe.manager
+def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_duplicates(sglang_moe):
+    manager = sglang_moe.manager
     # A pushed version first: the restarted server must come back with it, not the start-up weights.
-    moe.engine.update_weights(moe.model, "moe-pushed")
+    sglang_moe.engine.update_weights(sglang_moe.model, "moe-pushed")
     restarts_before = manager.restarts(0)
     old_pid = manager.pid(0)
     prompts = [[(3 * i + j) % 120 + 1 for j in range(3 + i % 4)] for i in range(48)]
     params = SamplingParams(temperature=1.0, max_new_tokens=128)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(moe.engine.generate, prompts, params, 2)
+        future = pool.submit(sglang_moe.engine.generate, prompts, params, 2)
         time.sleep(0.3)
         assert not future.done(), "the batch finished before the kill; make it longer"
         manager.kill(0)
@@ -256,5 +193,5 @@ def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_dupl
     # The restarted server serves the same weights: its samples still match the learner.
     row = samples[0]
     ids = np.concatenate([row[0].prompt_ids, row[0].output_ids])[None]
-    want = learner_logprobs(moe.model, ids, np.asarray([ids.shape[1]]))[0, len(prompts[0]):]
+    want = learner_logprobs(sglang_moe.model, ids, np.asarray([ids.shape[1]]))[0, len(prompts[0]):]
     assert np.max(np.abs(row[0].output_logprobs - want)) <= ALIGN_TOL

@@ -31,6 +31,7 @@ from jaxrl.rollout.sglang import (
     WeightPushError,
     decode_routed_experts,
 )
+from jaxrl.rollout.sglang.client import parse_samples
 from jaxrl.rollout.sglang.testing import random_decoder, write_random_checkpoint
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -56,6 +57,20 @@ def test_decode_routed_experts_recorded_response():
     np.testing.assert_array_equal(routes[0], [[7, 4], [5, 0]])
     np.testing.assert_array_equal(routes[-1], [[3, 4], [3, 1]])
     assert routes.min() >= 0 and routes.max() < 8
+
+
+def test_recorded_routes_split_into_prompt_and_output_positions():
+    """The recorded response's 7 positions: prompt positions 0..2, then the 4 that produced outputs."""
+    outputs = [9, 8, 7, 6]
+    response = {"output_ids": outputs, "meta_info": {
+        "finish_reason": {"type": "length"}, "weight_version": "v1", "routed_experts": RECORDED_ROUTES,
+        "output_token_logprobs": [[-0.5, token, None] for token in outputs]}}
+    (sample,) = parse_samples(response, [1, 2, 3, 4], SamplingParams(), 1, moe_top_k=2, where="recorded")
+    assert sample.prompt_routed_experts.shape == (3, 2, 2) and sample.routed_experts.shape == (4, 2, 2)
+    np.testing.assert_array_equal(sample.prompt_routed_experts[0], [[7, 4], [5, 0]])  # hand-decoded, as above
+    np.testing.assert_array_equal(sample.routed_experts[-1], [[3, 4], [3, 1]])
+    np.testing.assert_array_equal(np.concatenate([sample.prompt_routed_experts, sample.routed_experts]),
+                                  decode_routed_experts(RECORDED_ROUTES, num_positions=7, top_k=2))
 
 
 def test_decode_routed_experts_roundtrip_and_bad_length():

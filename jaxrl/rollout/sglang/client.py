@@ -216,17 +216,17 @@ def _parse_one(output: dict, prompt_ids, params: SamplingParams, moe_top_k, wher
                 f"output_token_sampling_logprobs for {len(output_ids)} output tokens; PROCESSED "
                 "logprobs need return_sampling_mask support (SGLang >= 0.5.23)")
         logprobs = np.asarray(values, np.float32)
-    routes = None
+    routes = prompt_routes = None
     if moe_top_k is not None:
         encoded = meta.get("routed_experts")
         if encoded is None:
             raise SGLangResponseError(
                 f"{where}: no meta_info.routed_experts; start the servers with "
                 "ServerConfig.return_routed_experts=True")
-        # SGLang reports every fed position; the interface keeps the N that produced the
-        # output tokens (positions P-1 .. P+N-2), as the embedded sampler does.
-        routes = decode_routed_experts(encoded, len(prompt_ids) + len(output_ids) - 1,
-                                       moe_top_k)[len(prompt_ids) - 1:]
+        # SGLang reports every fed position, 0 .. P+N-2: the first P-1 are the prompt's, the
+        # other N produced the output tokens (the split of ``Sample``, as the embedded sampler's).
+        fed = decode_routed_experts(encoded, len(prompt_ids) + len(output_ids) - 1, moe_top_k)
+        prompt_routes, routes = fed[:len(prompt_ids) - 1], fed[len(prompt_ids) - 1:]
     return Sample(
         prompt_ids=np.asarray(prompt_ids, np.int32),
         output_ids=output_ids,
@@ -235,6 +235,7 @@ def _parse_one(output: dict, prompt_ids, params: SamplingParams, moe_top_k, wher
         weight_version=str(meta.get("weight_version")),
         logprob_kind=params.logprob_kind,
         routed_experts=routes,
+        prompt_routed_experts=prompt_routes,
     )
 
 

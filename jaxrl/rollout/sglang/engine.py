@@ -6,6 +6,14 @@ and in prompt order. A request that fails (server died, timeout) is retried
 after the manager restarts a dead server; a retried request replaces, never
 adds to, its prompt's samples.
 
+With several JAX processes (jaxrl.distributed) every process calls ``generate``
+with the same prompts; process p sends only its contiguous share
+(``distributed.process_share``) to its own servers, and the samples are
+all-gathered so every process returns the same full list in prompt order.
+``update_weights`` is then a collective too: the export is written once to
+``PushConfig.checkpoint_dir`` (which all hosts must see) and every process
+loads it on, and verifies, its own servers.
+
 Weight push (SPEC section 7, "push the new weights ... and verify the push"):
 export the learner's parameters as a Hugging Face checkpoint into a temporary
 folder, rename it into place (a crash never leaves a half-written checkpoint a
@@ -26,8 +34,10 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
+from jaxrl import distributed
 from jaxrl.rollout.base import LogprobKind, RolloutEngine, Sample, SamplingParams
 from jaxrl.rollout.sglang.client import (
     ClientConfig,
@@ -130,7 +140,9 @@ class SGLangEngine(RolloutEngine):
 
         Sample.routed_experts (MoE fleets started with return_routed_experts): int32
         [len(output), num_layers, top_k]; row j: the experts of the position whose
-        forward produced output token j (as in ``jaxrl.rollout.base.Sample``).
+        forward produced output token j (as in ``jaxrl.rollout.base.Sample``);
+        Sample.prompt_routed_experts: [len(prompt) - 1, num_layers, top_k], the rest
+        of SGLang's routes (prompt positions 0 .. len(prompt) - 2).
         """
         self._check_kind(params)
         if n < 1:
@@ -138,15 +150,18 @@ class SGLangEngine(RolloutEngine):
         prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
         self._batches += 1
         num_servers = self.manager.num_servers
-        names = [f"request {i} of batch {self._batches} (prompt of {len(p)} tokens, n={n})"
-                 for i, p in enumerate(prompts)]
-        calls = [(i % num_servers, "POST", "/generate",
-                  generate_payload(p, params, n, self._moe_top_k is not None), names[i])
-                 for i, p in enumerate(prompts)]
+        share = distributed.process_share(len(prompts))
+        mine = range(share.start, share.stop)
+        names = {i: f"request {i} of batch {self._batches} (prompt of {len(prompts[i])} tokens, n={n})"
+                 for i in mine}
+        calls = [(k % num_servers, "POST", "/generate",
+                  generate_payload(prompts[i], params, n, self._moe_top_k is not None), names[i])
+                 for k, i in enumerate(mine)]
         responses = self._client.map(calls)
-        return [parse_samples(r, p, params, n, self._moe_top_k,
-                              f"{self.manager.describe(i % num_servers)}, {names[i]}")
-                for i, (r, p) in enumerate(zip(responses, prompts))]
+        local = [parse_samples(r, prompts[i], params, n, self._moe_top_k,
+                               f"{self.manager.describe(k % num_servers)}, {names[i]}")
+                 for k, (i, r) in enumerate(zip(mine, responses))]
+        return self._gather(local, prompts, params, n)
 
     def update_weights(self, params, version: str) -> dict[str, float]:
         """Pushes ``params`` to every server as ``version`` and verifies it; returns timing metrics.
@@ -207,6 +222,35 @@ class SGLangEngine(RolloutEngine):
         return np.asarray([e[0] for e in entries[1:]], np.float32)
 
     # ----- internals -------------------------------------------------------
+    def _gather(self, local: list[list[Sample]], prompts: list[list[int]], params: SamplingParams,
+                n: int) -> list[list[Sample]]:
+        """Every process's samples (its share of ``prompts``, in order) on every process, in prompt order."""
+        if jax.process_count() == 1:
+            return local
+        flat = [s for group in local for s in group]
+
+        def text(values):
+            return [np.frombuffer(v.encode(), np.uint8) for v in values]
+
+        output_ids = distributed.allgather_ragged([s.output_ids for s in flat], np.int32)
+        logprobs = distributed.allgather_ragged([s.output_logprobs for s in flat], np.float32)
+        finish = distributed.allgather_ragged(text(s.finish_reason for s in flat), np.uint8)
+        versions = distributed.allgather_ragged(text(s.weight_version for s in flat), np.uint8)
+        routes = ([None] * len(output_ids) if self._moe_top_k is None else
+                  distributed.allgather_ragged([s.routed_experts.reshape(-1) for s in flat], np.int32))
+        if len(output_ids) != len(prompts) * n:
+            raise RuntimeError(f"gathered {len(output_ids)} samples from {jax.process_count()} processes for "
+                               f"{len(prompts)} prompts x n={n}; every process must call generate with the "
+                               "same prompts and n")
+        samples = [Sample(
+            prompt_ids=np.asarray(prompts[j // n], np.int32), output_ids=output_ids[j],
+            output_logprobs=logprobs[j], finish_reason=finish[j].tobytes().decode(),
+            weight_version=versions[j].tobytes().decode(), logprob_kind=params.logprob_kind,
+            routed_experts=None if routes[j] is None else routes[j].reshape(len(output_ids[j]), -1,
+                                                                             self._moe_top_k),
+        ) for j in range(len(output_ids))]
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
     def _check_kind(self, params: SamplingParams) -> None:
         fleet_kind = self.manager.config.logprob_kind
         if params.logprob_kind == LogprobKind.RAW and fleet_kind != LogprobKind.RAW:
@@ -233,15 +277,43 @@ class SGLangEngine(RolloutEngine):
         if final.exists():
             raise ValueError(f"SGLangEngine.update_weights: {final} exists already; version "
                              f"{version!r} was pushed before (versions must be new)")
+        if jax.process_count() > 1:
+            return self._write_shared_checkpoint(params, root, final, version)
         temporary = root / f".partial-{_safe_name(version)}-{uuid.uuid4().hex[:8]}"
         try:
             self._export_fn(params, str(temporary))
-            if not (temporary / "config.json").is_file():
-                raise ValueError(f"export_fn wrote no config.json into {temporary}; it must write a "
-                                 "complete Hugging Face checkpoint (config.json + *.safetensors)")
+            _check_exported(temporary)
             os.rename(temporary, final)
         finally:
             shutil.rmtree(temporary, ignore_errors=True)
+        return final
+
+    def _write_shared_checkpoint(self, params, root: pathlib.Path, final: pathlib.Path,
+                                 version: str) -> pathlib.Path:
+        """Several processes: every one calls ``export_fn`` on the same folder (the default export is a
+        collective in which process 0 writes), process 0 renames it into place, and every process
+        then loads it on its own servers, so ``checkpoint_dir`` must be storage all hosts see."""
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        temporary = root / f".partial-{_safe_name(version)}"  # the same name in every process
+        if distributed.is_main_process():
+            shutil.rmtree(temporary, ignore_errors=True)
+        multihost_utils.sync_global_devices(f"jaxrl sglang push {version} begins")
+        try:
+            self._export_fn(params, str(temporary))
+            multihost_utils.sync_global_devices(f"jaxrl sglang push {version} exported")
+            if distributed.is_main_process():
+                _check_exported(temporary)
+                os.rename(temporary, final)
+        finally:
+            if distributed.is_main_process():
+                shutil.rmtree(temporary, ignore_errors=True)
+        multihost_utils.sync_global_devices(f"jaxrl sglang push {version} in place")
+        if not (final / "config.json").is_file():
+            raise FileNotFoundError(
+                f"process {jax.process_index()} cannot see {final / 'config.json'}, which process 0 "
+                "wrote; with several processes PushConfig.checkpoint_dir must be on storage every "
+                "host sees (a shared file system)")
         return final
 
     def _load_everywhere(self, path: pathlib.Path, version: str) -> None:
@@ -285,6 +357,8 @@ class SGLangEngine(RolloutEngine):
         return worst
 
     def _prune_checkpoints(self, keep: pathlib.Path) -> None:
+        if not distributed.is_main_process():
+            return  # the pushed folders are shared: process 0 prunes them
         pushed = sorted(keep.parent.glob("weights-*"), key=lambda p: p.stat().st_mtime)
         for old in pushed[: max(len(pushed) - self.push_config.keep_checkpoints, 0)]:
             if old != keep:
@@ -298,6 +372,12 @@ def _read_model_config(model_path: str) -> dict:
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"cannot read the model config {path}: {err}; ServerConfig.model_path "
                                 "must be a Hugging Face checkpoint folder") from None
+
+
+def _check_exported(folder: pathlib.Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"export_fn wrote no config.json into {folder}; it must write a "
+                         "complete Hugging Face checkpoint (config.json + *.safetensors)")
 
 
 def _safe_name(version: str) -> str:
