@@ -2,20 +2,27 @@
 
   jaxrl align report DUMP.npz --out DIR [gate options]
       metrics, figures and gate for a batch dump saved by the trainer.
-  jaxrl align run --model HF_DIR --prompts PROMPTS.jsonl --out DIR [sampling] [gate options]
-      samples with the embedded JAX sampler, recomputes with the learner, then as `report`.
+  jaxrl align run --model HF_DIR --prompts PROMPTS.jsonl --out DIR [engine] [sampling] [gate options]
+      samples with an engine, recomputes with the learner (HF_DIR loaded into JAX), then as
+      `report`. Engines: the embedded JAX sampler (default, --engine jax); SGLang servers
+      already running (--engine sglang --server-url URL [--server-url URL ...]); or an SGLang
+      server started for HF_DIR and stopped afterwards (--engine sglang --launch).
   jaxrl align localize --model HF_DIR --prompts PROMPTS.jsonl --out DIR --path PATH
       diffs activations module by module, layer by layer between two paths.
 
 Exit status: 0 when the gate passes (or none is set), 1 when it fails or a
-module exceeds the localisation tolerance, 2 on bad input.
+module exceeds the localisation tolerance, 2 on bad input (including an SGLang
+server that cannot be reached or started).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
+import types
 
 from jaxrl.align.gate import GATEABLE, Gate
 
@@ -87,9 +94,17 @@ def _read_prompts(path: str) -> list[list[int]]:
     return prompts
 
 
+def _check_model_folder(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        problem = "has no config.json" if os.path.isdir(path) else "does not exist"
+        raise FileNotFoundError(f"--model {path!r} {problem}; expected a Hugging Face checkpoint "
+                                "folder (config.json + *.safetensors)")
+
+
 def _load_model(args, mesh=None):
     from jaxrl.models.hf import load_hf_checkpoint
 
+    _check_model_folder(args.model)
     overrides = {"dtype": args.dtype} if args.dtype else {}
     return load_hf_checkpoint(args.model, mesh=mesh, **overrides)
 
@@ -108,18 +123,115 @@ def _parse_mesh(text: str | None):
     return make_mesh(MeshConfig.from_dict(sizes))
 
 
+class _RunningServers:
+    """SGLang servers started by someone else (``--server-url``), offering what ``SGLangEngine``
+    reads from a ``ServerManager``. They are not ours: nothing restarts them, so a request
+    that keeps failing ends the run with the URL named. Their logprob kind is the one they
+    were started with (raw needs ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``); the check itself
+    shows a mismatch, so the engine is told raw and does not refuse either kind."""
+
+    def __init__(self, urls: list[str], model_path: str):
+        import requests
+
+        from jaxrl.rollout.base import LogprobKind
+
+        self.urls = tuple(u.rstrip("/") for u in urls)
+        self.num_servers = len(self.urls)
+        self.model_path = model_path
+        self.config = types.SimpleNamespace(logprob_kind=LogprobKind.RAW, return_routed_experts=False)
+        versions = []
+        for url in self.urls:
+            try:
+                response = requests.get(url + "/model_info", timeout=10)
+                response.raise_for_status()
+                versions.append(str(response.json().get("weight_version", "unknown")))
+            except (requests.RequestException, ValueError) as err:
+                raise ValueError(f"--server-url {url}: no SGLang server answers GET {url}/model_info "
+                                 f"({type(err).__name__}: {err}); start one for --model "
+                                 "(python -m sglang.launch_server --model-path ...) or use --launch") from None
+        if len(set(versions)) > 1:
+            raise ValueError(f"--server-url: the servers serve different weight versions "
+                             f"{dict(zip(self.urls, versions))}; point at servers with the same weights")
+        self.weight_version = versions[0]
+
+    def describe(self, index: int) -> str:
+        return f"SGLang server {index} at {self.urls[index]} (--server-url)"
+
+    def ensure_running(self, index: int) -> bool:
+        return False  # not ours to restart
+
+
+def _launched_servers(args):
+    from jaxrl.rollout.sglang import ServerConfig, ServerManager
+
+    port = args.server_port
+    if port is None:
+        with socket.socket() as sock:  # a free port now; ServerManager checks it again at start
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    return ServerManager(ServerConfig(
+        model_path=args.model, base_port=port, device=args.server_device, dtype=args.server_dtype,
+        logprob_kind=args.logprob_kind, log_dir=os.path.join(args.out, "sglang-logs")))
+
+
+def _check_engine_options(args) -> None:
+    if args.engine == "jax":
+        if args.server_url or args.launch:
+            raise ValueError("--server-url and --launch apply to SGLang only; add --engine sglang")
+    elif bool(args.server_url) == bool(args.launch):
+        raise ValueError("--engine sglang needs exactly one of --server-url URL (servers already "
+                         "running) or --launch (start one for --model)")
+    if not args.launch and (args.server_port is not None or args.server_device != "cpu"
+                            or args.server_dtype != "float32"):
+        raise ValueError("--server-port, --server-device and --server-dtype apply to --launch only")
+
+
+def _collect_with_sglang(servers, args, prompts, params):
+    from jaxrl.align.check import collect
+    from jaxrl.rollout.sglang import PushConfig, SGLangEngine
+    from jaxrl.rollout.sglang.client import SGLangRequestError
+    from jaxrl.rollout.sglang.server import ServerStartError
+
+    try:
+        if args.launch:
+            servers.start()
+        # The checker never pushes weights; probe ids 0, 1 lie in any vocabulary.
+        engine = SGLangEngine(servers, push=PushConfig(probe_ids=(0, 1)))
+        try:
+            return collect(engine, prompts, params, args.n)
+        finally:
+            engine.close()
+    except (ServerStartError, SGLangRequestError) as err:
+        raise ValueError(str(err)) from None
+    finally:
+        if args.launch:
+            servers.stop()
+
+
 def _cmd_run(args) -> int:
     from jaxrl.align.check import collect, score_with_learner
     from jaxrl.rollout.base import SamplingParams
-    from jaxrl.rollout.sampler import JaxSampler
 
+    _check_engine_options(args)
+    prompts = _read_prompts(args.prompts)
+    _check_model_folder(args.model)
+    # Cheap checks first: an unreachable server or a bad checkpoint fails before a server starts.
+    servers = None
+    if args.engine == "sglang":
+        servers = _launched_servers(args) if args.launch else _RunningServers(args.server_url, args.model)
     mesh = _parse_mesh(args.mesh)
     model = _load_model(args, mesh)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_id),
                             seed=args.seed, logprob_kind=args.logprob_kind)
-    engine = JaxSampler(model, max_cache_len=args.max_cache_len, max_batch=args.max_batch, mesh=mesh)
-    batch = score_with_learner(model, collect(engine, _read_prompts(args.prompts), params, args.n), mesh)
+    if servers is not None:
+        batch = _collect_with_sglang(servers, args, prompts, params)
+    else:
+        from jaxrl.rollout.sampler import JaxSampler
+
+        engine = JaxSampler(model, max_cache_len=args.max_cache_len, max_batch=args.max_batch, mesh=mesh)
+        batch = collect(engine, prompts, params, args.n)
+    batch = score_with_learner(model, batch, mesh)
     if args.save_dump:
         batch.save(args.save_dump)
     return _finish(batch, args)
@@ -176,6 +288,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxrl.rollout.sglang.server import DEVICES, DTYPES
+
     parser = argparse.ArgumentParser(prog="jaxrl align", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,8 +299,20 @@ def _parser() -> argparse.ArgumentParser:
     _add_gate_options(p)
     p.set_defaults(run=_cmd_report)
 
-    p = sub.add_parser("run", help="sample with the embedded JAX sampler, recompute with the learner, report")
+    p = sub.add_parser("run", help="sample with an engine (JAX sampler or SGLang), recompute with the learner, report")
     _add_model_options(p)
+    e = p.add_argument_group("engine")
+    e.add_argument("--engine", choices=("jax", "sglang"), default="jax",
+                   help="jax: the embedded sampler (default); sglang: SGLang servers (--server-url or --launch)")
+    e.add_argument("--server-url", action="append", default=[], metavar="URL",
+                   help="an SGLang server already serving --model, e.g. http://127.0.0.1:30000 (repeatable: "
+                        "prompts spread over them)")
+    e.add_argument("--launch", action="store_true",
+                   help="start an SGLang server for --model (stopped at the end; log in OUT/sglang-logs)")
+    e.add_argument("--server-port", type=int, help="--launch: port (default: a free one)")
+    e.add_argument("--server-device", choices=DEVICES, default="cpu", help="--launch: device (default cpu)")
+    e.add_argument("--server-dtype", choices=DTYPES, default="float32",
+                   help="--launch: SGLang --dtype (default float32, to compare with a float32 learner)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -196,8 +322,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logprob-kind", choices=("raw", "processed"), default="raw",
                    help="which distribution the engine's logprobs are of (raw is what the learner recomputes)")
-    p.add_argument("--max-cache-len", type=int, default=None)
-    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-cache-len", type=int, default=None, help="jax engine: KV-cache length")
+    p.add_argument("--max-batch", type=int, default=64, help="jax engine: sequences per decode batch")
     p.add_argument("--save-dump", help="also write the scored batch to this .npz")
     _add_gate_options(p)
     p.set_defaults(run=_cmd_run)
