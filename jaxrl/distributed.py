@@ -635,3 +635,63 @@ def stop_all_on_failure() -> Iterator[None]:
         os._exit(1)
     finally:
         watch.stop()
+
+
+def process_share(num_items: int, process_index: int | None = None, process_count: int | None = None) -> slice:
+    """The contiguous slice of ``num_items`` items that process ``process_index`` handles.
+
+    Items are split in process order, the first ``num_items % process_count``
+    processes taking one more (as ``np.array_split``), so the slices in process
+    order concatenate to ``range(num_items)``; a process may get none.
+    """
+    index = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    if not 0 <= index < count:
+        raise ValueError(f"process_share: process_index={index} is outside 0..{count - 1} (process_count={count})")
+    base, extra = divmod(num_items, count)
+    start = index * base + min(index, extra)
+    return slice(start, start + base + (index < extra))
+
+
+def allgather_ragged(arrays: Sequence[np.ndarray], dtype: Any, trailing_shape: Sequence[int] = ()) -> list[np.ndarray]:
+    """Every process's ``arrays`` concatenated in process order, on every process (a collective).
+
+    ``arrays``: this process's arrays of ``dtype``, each ``[length_k, *trailing_shape]``
+    with any ``length_k`` (ragged), any number of them (none too). They travel as
+    bytes padded to the longest process's total, so any dtype comes back bit for
+    bit (``process_allgather`` alone would turn int64/float64 into 32 bits
+    unless x64 is on). With one process the arrays come back as given. Every
+    process must call this with the same ``dtype`` and ``trailing_shape``.
+    """
+    dtype, trailing_shape = np.dtype(dtype), tuple(int(d) for d in trailing_shape)
+    local = [np.asarray(a) for a in arrays]
+    for k, array in enumerate(local):
+        if array.dtype != dtype or array.ndim < 1 or array.shape[1:] != trailing_shape:
+            raise ValueError(
+                f"allgather_ragged: array {k} of process {jax.process_index()} is {array.dtype}{list(array.shape)}; "
+                f"expected {dtype}[length, {', '.join(map(str, trailing_shape))}] like every other array")
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    def gather(x: np.ndarray) -> np.ndarray:  # [P, *x.shape]
+        return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+
+    counts = gather(np.asarray([len(local)], np.int32))[:, 0]
+    lengths = np.full(int(counts.max()), -1, np.int32)
+    lengths[:len(local)] = [a.shape[0] for a in local]
+    all_lengths = gather(lengths)
+    row_bytes = dtype.itemsize * math.prod(trailing_shape)
+    payload = b"".join(np.ascontiguousarray(a).tobytes() for a in local)
+    size = int(all_lengths.clip(min=0).sum(axis=1).max()) * row_bytes
+    padded = np.zeros(max(size, 1), np.uint8)
+    padded[:len(payload)] = np.frombuffer(payload, np.uint8)
+    all_bytes = gather(padded)
+    result = []
+    for process, count in enumerate(counts):
+        offset = 0
+        for length in all_lengths[process, :count]:
+            chunk = all_bytes[process, offset:offset + length * row_bytes]
+            result.append(chunk.view(dtype).reshape((int(length), *trailing_shape)).copy())
+            offset += length * row_bytes
+    return result

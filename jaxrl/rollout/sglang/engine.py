@@ -236,19 +236,26 @@ class SGLangEngine(RolloutEngine):
         logprobs = distributed.allgather_ragged([s.output_logprobs for s in flat], np.float32)
         finish = distributed.allgather_ragged(text(s.finish_reason for s in flat), np.uint8)
         versions = distributed.allgather_ragged(text(s.weight_version for s in flat), np.uint8)
-        routes = ([None] * len(output_ids) if self._moe_top_k is None else
-                  distributed.allgather_ragged([s.routed_experts.reshape(-1) for s in flat], np.int32))
+        # The routes of every fed position (prompt's, then output's) travel as one flat array.
+        routes = ([None] * len(output_ids) if self._moe_top_k is None else distributed.allgather_ragged(
+            [np.concatenate([s.prompt_routed_experts.reshape(-1), s.routed_experts.reshape(-1)]) for s in flat],
+            np.int32))
         if len(output_ids) != len(prompts) * n:
             raise RuntimeError(f"gathered {len(output_ids)} samples from {jax.process_count()} processes for "
                                f"{len(prompts)} prompts x n={n}; every process must call generate with the "
                                "same prompts and n")
-        samples = [Sample(
-            prompt_ids=np.asarray(prompts[j // n], np.int32), output_ids=output_ids[j],
-            output_logprobs=logprobs[j], finish_reason=finish[j].tobytes().decode(),
-            weight_version=versions[j].tobytes().decode(), logprob_kind=params.logprob_kind,
-            routed_experts=None if routes[j] is None else routes[j].reshape(len(output_ids[j]), -1,
-                                                                             self._moe_top_k),
-        ) for j in range(len(output_ids))]
+        samples = []
+        for j in range(len(output_ids)):
+            prompt = prompts[j // n]
+            fed = None if routes[j] is None else routes[j].reshape(len(prompt) - 1 + len(output_ids[j]), -1,
+                                                                   self._moe_top_k)
+            samples.append(Sample(
+                prompt_ids=np.asarray(prompt, np.int32), output_ids=output_ids[j],
+                output_logprobs=logprobs[j], finish_reason=finish[j].tobytes().decode(),
+                weight_version=versions[j].tobytes().decode(), logprob_kind=params.logprob_kind,
+                routed_experts=None if fed is None else fed[len(prompt) - 1:],
+                prompt_routed_experts=None if fed is None else fed[:len(prompt) - 1],
+            ))
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _check_kind(self, params: SamplingParams) -> None:

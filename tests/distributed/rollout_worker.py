@@ -1,0 +1,97 @@
+"""One process of the two-process rollout tests. ``python rollout_worker.py MODE OUT_DIR [ARGS] [distributed flags]``.
+
+- ``ragged``: ``allgather_ragged`` of arrays that depend on the process index
+  (process p holds p + 1 arrays, one of them empty, in three dtypes); writes
+  what it got to ``OUT_DIR/ragged-<p>.npz``.
+- ``sglang MODEL_PATH BASE_PORT``: starts one CPU SGLang server on port
+  ``BASE_PORT + p`` serving ``MODEL_PATH`` (an MoE model: routes come back) as
+  weight version ``p<p>``, generates
+  ``PROMPTS`` through ``SGLangEngine`` (this process's share on its own server,
+  the rest gathered), pushes version ``1`` and generates again; writes the
+  samples and its own server's scoring of every sample to ``OUT_DIR/sglang-<p>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from jaxrl import distributed
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
+SAMPLES_PER_PROMPT = 2
+MAX_NEW_TOKENS = 6
+
+
+def ragged_arrays(process: int) -> dict[str, list[np.ndarray]]:
+    """What process ``process`` contributes: ``process + 1`` arrays per dtype, the second one empty."""
+    lengths = [3 + process, 0, 2, 5][: process + 1]
+    return {
+        "int64": [np.arange(n, dtype=np.int64) + 2**40 * (process + 1) for n in lengths],
+        "float32": [np.linspace(-1, 1, n, dtype=np.float32) / 3 + process for n in lengths],
+        "int32x2x3": [np.arange(n * 6, dtype=np.int32).reshape(n, 2, 3) - 100 * process for n in lengths],
+    }
+
+
+def run_ragged(out_dir: str, process: int) -> None:
+    local = ragged_arrays(process)
+    gathered = {
+        "int64": distributed.allgather_ragged(local["int64"], np.int64),
+        "float32": distributed.allgather_ragged(local["float32"], np.float32),
+        "int32x2x3": distributed.allgather_ragged(local["int32x2x3"], np.int32, (2, 3)),
+    }
+    np.savez(os.path.join(out_dir, f"ragged-{process}.npz"),
+             **{f"{name}/{k}": a for name, arrays in gathered.items() for k, a in enumerate(arrays)})
+
+
+def run_sglang(out_dir: str, process: int, model_path: str, base_port: int) -> None:
+    from jaxrl.models import load_hf_checkpoint
+    from jaxrl.rollout.base import SamplingParams
+    from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig, ServerManager, SGLangEngine
+
+    manager = ServerManager(ServerConfig(
+        model_path=model_path, base_port=base_port + process, log_dir=os.path.join(out_dir, f"logs-{process}"),
+        return_routed_experts=True, startup_timeout_s=120, stop_timeout_s=2))
+    manager.record_weights(model_path, f"p{process}")  # the version tells which server generated a sample
+    manager.start()
+    try:
+        engine = SGLangEngine(manager, push=PushConfig(checkpoint_dir=os.path.join(out_dir, "pushed")),
+                              client=ClientConfig(max_tries=4, backoff_s=0.2))
+        params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=3)
+        batches = [engine.generate(PROMPTS, params, n=SAMPLES_PER_PROMPT)]
+        push = engine.update_weights(load_hf_checkpoint(model_path), "1")
+        batches.append(engine.generate(PROMPTS, params, n=SAMPLES_PER_PROMPT))
+        report = {"push_probe_max_abs_diff": push["push/probe_max_abs_diff"], "batches": [[[{
+            "prompt_ids": s.prompt_ids.tolist(), "output_ids": s.output_ids.tolist(),
+            "output_logprobs": s.output_logprobs.tolist(), "finish_reason": s.finish_reason,
+            "weight_version": s.weight_version, "logprob_kind": s.logprob_kind.value,
+            "routed_experts": s.routed_experts.tolist(), "prompt_routed_experts": s.prompt_routed_experts.tolist(),
+            # this process's own server's teacher-forced logprobs of the sample's output tokens
+            "scored_here": engine.score(s.prompt_ids.tolist() + s.output_ids.tolist())[len(s.prompt_ids) - 1:].tolist(),
+        } for s in group] for group in batch] for batch in batches]}
+        with open(os.path.join(out_dir, f"sglang-{process}.json"), "w") as f:
+            json.dump(report, f)
+        engine.close()
+    finally:
+        manager.stop()
+
+
+def main(argv: list[str]) -> int:
+    mode, out_dir = argv[0], argv[1]
+    info, rest = distributed.initialize_from_argv(argv[2:])
+    with distributed.stop_all_on_failure():
+        if mode == "ragged":
+            run_ragged(out_dir, info.process_index)
+        elif mode == "sglang":
+            run_sglang(out_dir, info.process_index, rest[0], int(rest[1]))
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+    distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
