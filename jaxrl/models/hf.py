@@ -242,13 +242,14 @@ def save_hf_checkpoint(model: Decoder, path: str) -> None:
     """
     config = model.config
     flat = dict(nnx.to_flat_state(nnx.state(model)))
-    maps = tensor_maps(config)
-    values = distributed.to_host([flat[m.path][...] for m in maps])
-    if distributed.is_main_process():
-        tensors = {}
-        for m, value in zip(maps, values):
+    tensors = {}
+    for m in tensor_maps(config):
+        # One parameter at a time: the other processes never hold more than one gathered tensor.
+        value = distributed.to_host(flat[m.path][...])
+        if distributed.is_main_process():
             for name, array in zip(m.hf_names, m.save(value)):
                 tensors[name] = np.ascontiguousarray(array)
+    if distributed.is_main_process():
         tensors.update(derived_tensors(config))
         os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
