@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 
 import numpy as np
@@ -14,7 +15,6 @@ from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rollout_worker  # noqa: E402
-from jax_processes import free_port  # noqa: E402
 
 
 def test_process_share_splits_in_order_without_gaps():
@@ -53,6 +53,20 @@ def test_allgather_ragged_across_two_processes_is_exact_and_in_process_order(pro
                 np.testing.assert_array_equal(array, want, err_msg=f"{name}/{k}")  # bit for bit, int64 too
 
 
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free, below the ephemeral range: a server takes tens of seconds to
+    bind its port, time enough for an outgoing connection to take a free ephemeral one."""
+    for base in range(32100, 32700, 10):
+        try:
+            for port in (base, base + 1):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no two free ports in 32100-32700")
+
+
 @pytest.mark.sglang
 @pytest.mark.skipif(not CPU_VENV_PYTHON.exists(), reason="run scripts/setup_sglang_cpu.sh first")
 def test_sglang_generate_on_two_processes_each_with_its_own_server(processes, tmp_path):
@@ -63,9 +77,7 @@ def test_sglang_generate_on_two_processes_each_with_its_own_server(processes, tm
                          num_kv_heads=2, head_dim=8, max_position_embeddings=512, mlp_types=("moe", "moe"),
                          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
     model = write_random_checkpoint(str(tmp_path / "model"), config, seed=1)
-    base_port = free_port()
-    while free_port() == base_port + 1:  # both ports free (the second is a best guess)
-        base_port = free_port()
+    base_port = _free_port_pair()
     processes.start_group([sys.executable, rollout_worker.__file__, "sglang", str(tmp_path),
                            str(tmp_path / "model"), str(base_port)])
     for result in processes.wait_all(timeout_s=170):
