@@ -126,9 +126,10 @@ def _parse_mesh(text: str | None):
 class _RunningServers:
     """SGLang servers started by someone else (``--server-url``), offering what ``SGLangEngine``
     reads from a ``ServerManager``. They are not ours: nothing restarts them, so a request
-    that keeps failing ends the run with the URL named. Their logprob kind is the one they
-    were started with (raw needs ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``); the check itself
-    shows a mismatch, so the engine is told raw and does not refuse either kind."""
+    that keeps failing ends the run with the URL named. Their logprob kind is whatever they
+    were started with (raw needs ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``) and cannot be asked;
+    wrong ones show up in the report as a mismatch, so the engine is told "raw" and refuses
+    neither kind."""
 
     def __init__(self, urls: list[str], model_path: str):
         import requests
