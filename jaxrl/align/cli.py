@@ -162,14 +162,23 @@ class _RunningServers:
         return False  # not ours to restart
 
 
+def _free_port(first: int = 30000, last: int = 32000) -> int:
+    """A free port below the usual ephemeral range (32768-60999): the server binds it tens of
+    seconds after this check, and an outgoing connection could take an ephemeral one meanwhile."""
+    for port in range(first, last):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise ValueError(f"--launch: no free port in [{first}, {last}); give one with --server-port")
+
+
 def _launched_servers(args):
     from jaxrl.rollout.sglang import ServerConfig, ServerManager
 
-    port = args.server_port
-    if port is None:
-        with socket.socket() as sock:  # a free port now; ServerManager checks it again at start
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+    port = args.server_port if args.server_port is not None else _free_port()
     return ServerManager(ServerConfig(
         model_path=args.model, base_port=port, device=args.server_device, dtype=args.server_dtype,
         logprob_kind=args.logprob_kind, log_dir=os.path.join(args.out, "sglang-logs")))
