@@ -26,7 +26,9 @@ from jaxrl.losses.entropy import (
     clip_cov_mask,
     entropy_bonus,
     fit_entropy_law,
+    kl_cov_gap_penalty,
     kl_cov_penalty,
+    kl_cov_select,
     token_entropy_from_logits,
     token_logprobs_and_entropy,
     token_logprobs_from_logits,
@@ -55,7 +57,7 @@ from jaxrl.losses.mismatch import (
 from jaxrl.losses.mismatch import sequence_log_ratio as mismatch_sequence_log_ratio
 from jaxrl.losses.mismatch import token_log_ratio as mismatch_token_log_ratio
 from jaxrl.losses.mismatch import token_tis
-from jaxrl.losses.objective import ObjectiveConfig, rl_objective
+from jaxrl.losses.objective import ObjectiveConfig, entropy_control_selection, rl_objective
 from jaxrl.losses.policy import (
     AGGREGATION_MODES,
     POLICY_LOSSES,

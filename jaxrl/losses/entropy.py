@@ -39,6 +39,8 @@ __all__ = [
     "entropy_bonus",
     "centered_cov",
     "clip_cov_mask",
+    "kl_cov_select",
+    "kl_cov_gap_penalty",
     "kl_cov_penalty",
     "EntropyLawFit",
     "fit_entropy_law",
@@ -383,7 +385,9 @@ def clip_cov_mask(
     Among masked tokens with ``omega_low <= Cov_i <= omega_high`` pick
     ``floor(ratio * N)`` uniformly at random with ``key`` (all of them if fewer
     qualify). The objective zeroes those tokens' policy-gradient term. (verl
-    takes ``max(floor(ratio * N), 1)``; SPEC says ``floor``.)
+    takes ``max(floor(ratio * N), 1)``; SPEC says ``floor``.) Compute it once
+    on the whole optimizer-step batch and hand the mask to every micro-batch,
+    so the choice does not depend on the micro-batch split.
 
     Args:
       logp: ``[B, T]`` float current logprobs.
@@ -415,6 +419,73 @@ def clip_cov_mask(
     }
 
 
+def kl_cov_select(
+    logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    ratio: float = 2e-3,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """KL-Cov's tokens: the top ``floor(ratio * N)`` masked tokens by ``Cov_i`` (SPEC section 4).
+
+    Selection is deterministic: largest ``Cov_i`` first, ties by position in the
+    flattened ``[B, T]`` batch. Select once on the whole optimizer-step batch
+    and hand the result to :func:`kl_cov_gap_penalty` per micro-batch, so the
+    choice does not depend on the micro-batch split.
+
+    Args:
+      logp: ``[B, T]`` float current logprobs (detached here).
+      advantages: ``[B, T]`` float token advantages.
+      mask: ``[B, T]`` bool/0-1.
+      ratio: fraction of the ``N`` masked tokens to select, in [0, 1].
+    Returns:
+      ``(selected [B, T] bool, metrics)``; metrics: ``kl_cov_count`` (int32),
+      ``kl_cov_fraction`` (float32, count / N).
+    """
+    cov = centered_cov(logp, advantages, mask)
+    check_interval("ratio", ratio, 0.0, 1.0)
+    keep = mask.astype(bool)
+    num_tokens = jnp.sum(keep, dtype=jnp.int32)
+    rank = _rank(jnp.where(keep, -cov, jnp.inf).reshape(-1)).reshape(cov.shape)
+    selected = keep & (rank < _floor_fraction_of(num_tokens, ratio))
+    count = jnp.sum(selected, dtype=jnp.int32)
+    return selected, {
+        "kl_cov_count": count,
+        "kl_cov_fraction": count / jnp.maximum(num_tokens, 1).astype(jnp.float32),
+    }
+
+
+def kl_cov_gap_penalty(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    selected: jax.Array,
+    *,
+    beta: float = 1.0,
+) -> jax.Array:
+    """KL-Cov's per-token term ``beta * |logp - old_logp|`` on the ``selected`` tokens (SPEC section 4).
+
+    The penalty carries gradient through ``logp`` and is added to those tokens'
+    per-token loss before aggregation. (verl also drops the PPO clip on the
+    selected tokens; SPEC only adds the term, so that choice is left to the
+    objective.)
+
+    Args:
+      logp: ``[B, T]`` float current logprobs (carries gradient).
+      old_logp: ``[B, T]`` float logprobs at sampling time (detached here).
+      selected: ``[B, T]`` bool/0-1, e.g. from :func:`kl_cov_select` (0 on unmasked tokens).
+      beta: penalty coefficient (>= 0).
+    Returns:
+      ``[B, T]`` float32, zero off ``selected``.
+    """
+    check_floating("logp", logp)
+    check_floating("old_logp", old_logp)
+    check_mask("selected", selected)
+    check_same_shape(logp=logp, old_logp=old_logp, selected=selected)
+    check_positive("beta", beta, allow_zero=True)
+    gap = jnp.abs(logp.astype(jnp.float32) - jax.lax.stop_gradient(old_logp).astype(jnp.float32))
+    return jnp.where(selected.astype(bool), beta * gap, 0.0)
+
+
 def kl_cov_penalty(
     logp: jax.Array,
     old_logp: jax.Array,
@@ -426,11 +497,7 @@ def kl_cov_penalty(
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """KL-Cov: ``beta * |logp - old_logp|`` on the top ``floor(ratio * N)`` tokens by ``Cov_i`` (SPEC section 4).
 
-    Selection is deterministic: largest ``Cov_i`` first, ties by position in the
-    flattened ``[B, T]`` batch. The penalty carries gradient through ``logp``
-    and is added to those tokens' per-token loss before aggregation. (verl
-    also drops the PPO clip on the selected tokens; SPEC only adds the term,
-    so that choice is left to the objective.)
+    :func:`kl_cov_select` then :func:`kl_cov_gap_penalty` on the same tokens.
 
     Args:
       logp: ``[B, T]`` float current logprobs (carries gradient).
@@ -443,22 +510,8 @@ def kl_cov_penalty(
       ``(penalty [B, T] float32, selected [B, T] bool, metrics)``; metrics:
       ``kl_cov_count`` (int32), ``kl_cov_fraction`` (float32, count / N).
     """
-    check_floating("old_logp", old_logp)
-    check_same_shape(logp=logp, old_logp=old_logp)
-    cov = centered_cov(logp, advantages, mask)
-    check_interval("ratio", ratio, 0.0, 1.0)
-    check_positive("beta", beta, allow_zero=True)
-    keep = mask.astype(bool)
-    num_tokens = jnp.sum(keep, dtype=jnp.int32)
-    rank = _rank(jnp.where(keep, -cov, jnp.inf).reshape(-1)).reshape(cov.shape)
-    selected = keep & (rank < _floor_fraction_of(num_tokens, ratio))
-    gap = jnp.abs(logp.astype(jnp.float32) - jax.lax.stop_gradient(old_logp).astype(jnp.float32))
-    penalty = jnp.where(selected, beta * gap, 0.0)
-    count = jnp.sum(selected, dtype=jnp.int32)
-    return penalty, selected, {
-        "kl_cov_count": count,
-        "kl_cov_fraction": count / jnp.maximum(num_tokens, 1).astype(jnp.float32),
-    }
+    selected, metrics = kl_cov_select(logp, advantages, mask, ratio=ratio)
+    return kl_cov_gap_penalty(logp, old_logp, selected, beta=beta), selected, metrics
 
 
 # --------------------------------------------------------------------------- #

@@ -9,9 +9,11 @@ Clip-Cov's tokens detached (SPEC 4), ``w`` the detached mismatch correction
 (SPEC 5), ``kl_t`` the KL regulariser (SPEC 3; as-loss kinds go through the
 appendix-G off-policy form by default), and every ``agg`` the same aggregation
 mode and global normaliser (SPEC 2), so that summing the losses of the
-micro-batches of one batch gives the full-batch loss and gradient. (Clip-Cov
-and KL-Cov select tokens by batch statistics, so with them the split matters:
-pass whole batches or accept the per-micro-batch selection.)
+micro-batches of one batch gives the full-batch loss and gradient. Clip-Cov
+and KL-Cov choose tokens from whole-batch statistics: with micro-batches, call
+:func:`entropy_control_selection` once on the optimizer step's whole batch and
+pass each micro-batch its rows of the result as ``cov_selection``; the sum is
+then the full-batch loss too.
 """
 
 from __future__ import annotations
@@ -169,6 +171,43 @@ def _require(name: str, value, why: str) -> None:
         raise ValueError(f"{name} is None but {why}; pass a [B, T] float array")
 
 
+def entropy_control_selection(
+    config: ObjectiveConfig,
+    logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    key: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """Clip-Cov's detached tokens or KL-Cov's penalised tokens over all masked tokens given (SPEC 4).
+
+    Call it on the optimizer step's whole batch (with the ``logp`` of the
+    parameters being differentiated) and pass the rows of each micro-batch to
+    :func:`rl_objective` as ``cov_selection``.
+
+    Args:
+      config: an :class:`ObjectiveConfig` with ``entropy_control`` "clip-cov" or "kl-cov".
+      logp: float ``[B, T]`` current log-probabilities (detached here).
+      advantages: float ``[B, T]`` token advantages.
+      mask: ``[B, T]`` 1 on generated tokens.
+      key: ``jax.random`` key; needed by "clip-cov".
+    Returns:
+      ``(selection [B, T] bool, metrics)``: ``clip_cov_count``, ``clip_cov_candidates``,
+      ``clip_cov_fraction`` or ``kl_cov_count``, ``kl_cov_fraction`` (over the ``N`` tokens).
+    """
+    if config.entropy_control == "clip-cov":
+        if key is None:
+            raise ValueError("key is None but ObjectiveConfig.entropy_control='clip-cov' selects tokens at "
+                             "random; pass a jax.random key (e.g. jax.random.fold_in(seed_key, step))")
+        return entropy_lib.clip_cov_mask(
+            logp, advantages, mask, key, ratio=config.clip_cov_ratio,
+            omega_low=config.clip_cov_omega_low, omega_high=config.clip_cov_omega_high)
+    if config.entropy_control == "kl-cov":
+        return entropy_lib.kl_cov_select(logp, advantages, mask, ratio=config.kl_cov_ratio)
+    raise ValueError(f"ObjectiveConfig.entropy_control={config.entropy_control!r} selects no tokens; "
+                     "call entropy_control_selection only with 'clip-cov' or 'kl-cov'")
+
+
 def rl_objective(
     config: ObjectiveConfig,
     logp: Array,
@@ -181,6 +220,7 @@ def rl_objective(
     entropy: Array | None = None,
     normalizer: Array | float,
     key: Array | None = None,
+    cov_selection: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """``loss = agg(w * pg [+ kl_cov]) + kl_coef * agg(kl) - entropy_coef * agg(H)`` (SPEC 2-5, module docstring).
 
@@ -194,14 +234,20 @@ def rl_objective(
       ref_logp: float ``[B, T]`` reference log-probabilities; needed by as-loss KL kinds.
       entropy: float ``[B, T]`` token entropy (carries gradient); needed when ``entropy_coef > 0``.
       normalizer: scalar from ``losses.loss_normalizer(config.aggregation, global_mask)``.
-      key: ``jax.random`` key; needed by "clip-cov".
+      key: ``jax.random`` key; needed by "clip-cov" without ``cov_selection``.
+      cov_selection: ``[B, T]`` bool, this call's rows of
+        :func:`entropy_control_selection` on the whole optimizer-step batch
+        (Clip-Cov's detached / KL-Cov's penalised tokens). None: selected from
+        this call's tokens, which is the same thing only when the call sees the
+        whole batch.
     Returns:
       ``(loss float32 scalar, metrics)``. Summable over micro-batches like the
       loss: ``policy_loss``, ``kl_loss``, ``entropy_loss``. Means over this
       call's masked tokens: the policy's clip fractions and ratio stats, ``kl_k1`` and
-      ``kl_k3`` (current vs ref), ``entropy``, and the entropy-control and
-      mismatch-correction fractions; ``batch_filter_skip`` (int32 0/1) when a
-      threshold is set.
+      ``kl_k3`` (current vs ref), ``entropy``, and the mismatch-correction
+      fractions; the entropy-control counts and fractions when it selects the
+      tokens itself (``cov_selection`` None); ``batch_filter_skip`` (int32 0/1)
+      when a threshold is set.
     """
     if not isinstance(config, ObjectiveConfig):
         raise ValueError(f"config is a {type(config).__name__} but an ObjectiveConfig was expected")
@@ -213,23 +259,27 @@ def rl_objective(
         _require("old_logp", old_logp, "ObjectiveConfig.bypass=False needs the learner's sampling-time logprobs")
         anchor = old_logp
     _validate.check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
-                               rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy)
+                               rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy,
+                               cov_selection=cov_selection)
+    metrics: dict[str, Array] = {}
+    if cov_selection is not None:
+        if config.entropy_control == "none":
+            raise ValueError("cov_selection was given but ObjectiveConfig.entropy_control='none' uses no "
+                             "selection; set entropy_control to 'clip-cov' or 'kl-cov' or pass None")
+        _validate.check_mask("cov_selection", cov_selection)
+        # Padding rows may hold anything; only masked tokens are ever selected.
+        cov_selection = cov_selection.astype(bool) & mask.astype(bool)
+    elif config.entropy_control != "none":
+        cov_selection, cov_metrics = entropy_control_selection(config, logp, advantages, mask, key=key)
+        metrics.update(cov_metrics)
     mode = config.aggregation
 
     def aggregate(token_loss):
         return policy.aggregate_loss(token_loss, mask, mode, normalizer)
 
-    metrics: dict[str, Array] = {}
     pg_logp = logp
     if config.entropy_control == "clip-cov":
-        if key is None:
-            raise ValueError("key is None but ObjectiveConfig.entropy_control='clip-cov' selects tokens at "
-                             "random; pass a jax.random key (e.g. jax.random.fold_in(seed_key, step))")
-        detach, cov_metrics = entropy_lib.clip_cov_mask(
-            logp, advantages, mask, key, ratio=config.clip_cov_ratio,
-            omega_low=config.clip_cov_omega_low, omega_high=config.clip_cov_omega_high)
-        pg_logp = jnp.where(detach, jax.lax.stop_gradient(logp), logp)
-        metrics.update(cov_metrics)
+        pg_logp = jnp.where(cov_selection, jax.lax.stop_gradient(logp), logp)
 
     pg_loss, pg_metrics = policy.policy_token_loss(
         config.policy_loss, pg_logp, anchor, advantages, mask,
@@ -244,10 +294,7 @@ def rl_objective(
         metrics.update(correction_metrics)
 
     if config.entropy_control == "kl-cov":
-        penalty, _, cov_metrics = entropy_lib.kl_cov_penalty(
-            logp, anchor, advantages, mask, ratio=config.kl_cov_ratio, beta=config.kl_cov_beta)
-        pg_loss = pg_loss + penalty
-        metrics.update(cov_metrics)
+        pg_loss = pg_loss + entropy_lib.kl_cov_gap_penalty(logp, anchor, cov_selection, beta=config.kl_cov_beta)
 
     loss = aggregate(pg_loss)
     metrics["policy_loss"] = loss

@@ -50,29 +50,41 @@ def build_optimizer(config, total_updates: int) -> tuple[optax.GradientTransform
     return adamw, schedule
 
 
-def accumulate(micro_loss: Callable, micro_batches: int) -> Callable:
-    """``loss_fn(model, batch)`` summing ``micro_loss`` over ``micro_batches`` micro-batches.
+def split_micro_batches(batch, micro_batches: int):
+    """Leaves ``[N, ...]`` -> ``[M, N / M, ...]``, micro-batch ``m`` holding rows ``m, m + M, m + 2M, ...``.
 
-    ``batch`` leaves are ``[N, ...]`` (0-d leaves are shared by every micro-batch). Micro-batch
-    ``m`` takes rows ``m, m + M, m + 2M, ...``: a strided split keeps every micro-batch spread
-    over all data-parallel devices when the rows are sharded in contiguous blocks.
-    ``micro_loss(model, micro_batch, m) -> (loss, metrics)`` must already be normalised by the
-    global batch (the loss library's ``normalizer``), so the sum equals the one-big-batch loss
-    and its gradient the big batch's gradient. Each micro-batch's forward is rematerialised
-    (``jax.checkpoint``) inside a ``lax.scan``, so the backward pass holds the activations of
-    one micro-batch at a time: the memory of gradient accumulation for the price of one extra
-    forward per micro-batch. Metrics are averaged over micro-batches. ``micro_batches == 1``
-    calls ``micro_loss`` directly.
+    A strided split keeps every micro-batch spread over all data-parallel devices when the rows
+    are sharded in contiguous blocks. 0-d leaves are shared: broadcast to ``[M]``.
     """
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-
     def split(x):
         if x.ndim == 0:
             return jnp.broadcast_to(x, (micro_batches,))
         if x.shape[0] % micro_batches:
             raise ValueError(f"a batch of {x.shape[0]} rows does not split into {micro_batches} micro-batches")
         return jnp.swapaxes(x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def join_micro_batches(tree):
+    """The inverse of :func:`split_micro_batches`: leaves ``[M, N / M, ...]`` -> ``[N, ...]`` in row order."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:]), tree)
+
+
+def accumulate(micro_loss: Callable, micro_batches: int) -> Callable:
+    """``loss_fn(model, batch)`` summing ``micro_loss`` over ``micro_batches`` micro-batches.
+
+    ``batch`` leaves are ``[N, ...]`` (0-d leaves are shared by every micro-batch), split by
+    :func:`split_micro_batches`. ``micro_loss(model, micro_batch, m) -> (loss, metrics)`` must
+    already be normalised by the global batch (the loss library's ``normalizer``), so the sum
+    equals the one-big-batch loss and its gradient the big batch's gradient. Each micro-batch's
+    forward is rematerialised (``jax.checkpoint``) inside a ``lax.scan``, so the backward pass
+    holds the activations of one micro-batch at a time: the memory of gradient accumulation for
+    the price of one extra forward per micro-batch. Metrics are averaged over micro-batches.
+    ``micro_batches == 1`` calls ``micro_loss`` directly.
+    """
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
 
     def loss_fn(model, batch):
         if micro_batches == 1:
@@ -88,7 +100,7 @@ def accumulate(micro_loss: Callable, micro_batches: int) -> Callable:
             loss, metrics = one(params, micro_batch, index)
             return total + loss, metrics
 
-        xs = (jax.tree.map(split, batch), jnp.arange(micro_batches))
+        xs = (split_micro_batches(batch, micro_batches), jnp.arange(micro_batches))
         total, metrics = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)
         return total, jax.tree.map(lambda m: jnp.mean(m.astype(jnp.float32), axis=0), metrics)
 

@@ -12,7 +12,8 @@ Per outer step k:
    (the reference parameters are held sharded, with no optimizer state);
 7. run ``update.mini_batches`` (S) optimizer steps over mini-batches of that fixed batch,
    each with gradient accumulation over ``update.micro_batches``; the objective is the
-   loss library's ``rl_objective`` assembled from ``config.objective``;
+   loss library's ``rl_objective`` assembled from ``config.objective`` (Clip-Cov / KL-Cov
+   tokens are chosen once per mini-batch, see ``rl_loss_fn``);
 8. push the weights to the engine and verify the push on a probe;
 9. log every metric (JSONL, TensorBoard, progress bar), checkpoint every N steps.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +35,15 @@ from flax import nnx
 
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.losses import advantages as advantage_lib
-from jaxrl.losses import (batch_filter, kl_in_reward, loss_normalizer, mismatch_metrics,
-                          mismatch_metrics_by_rollout_prob, rl_objective)
+from jaxrl.losses import (ObjectiveConfig, batch_filter, entropy_control_selection, kl_in_reward,
+                          loss_normalizer, mismatch_metrics, mismatch_metrics_by_rollout_prob, rl_objective)
 from jaxrl.models import make_mesh, make_train_step, save_hf_checkpoint
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.reward import build_router
 from jaxrl.rollout.base import LogprobKind, RolloutEngine, SamplingParams
 from jaxrl.trainer.checkpoint import Checkpointer
-from jaxrl.trainer.common import LogprobScorer, accumulate, build_model, build_optimizer, pack_sequences
+from jaxrl.trainer.common import (LogprobScorer, accumulate, build_model, build_optimizer, join_micro_batches,
+                                  pack_sequences, split_micro_batches)
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
@@ -104,6 +106,64 @@ def make_engine(config: TrainConfig, model, mesh) -> tuple[RolloutEngine, Any]:
     return JaxSampler(model, mesh=mesh, max_batch=max(sequences, config.eval.max_prompts * config.eval.samples)), None
 
 
+def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chunk_size: int) -> Callable:
+    """``loss_fn(model, batch) -> (loss, metrics)`` of one optimizer step: ``rl_objective`` summed
+    over ``micro_batches`` micro-batches (``trainer.common.accumulate``).
+
+    ``batch`` holds the mini-batch's ``input_ids, positions, segment_ids, targets, mask, advantages,
+    old_logp, rollout_logp`` (and optionally ``ref_logp``) ``[N, T]``, the 0-d ``normalizer`` of
+    the whole mini-batch and the 0-d ``key_seed``; Clip-Cov draws with
+    ``fold_in(key(seed), key_seed)``. Clip-Cov and KL-Cov choose tokens from statistics over
+    the whole mini-batch (SPEC 4), so with them and more than one micro-batch a no-gradient
+    forward over every micro-batch first gives the mini-batch's logprobs, the tokens are chosen
+    once from those, and each micro-batch gets its rows of the choice: the update does not
+    depend on the split. That extra forward is paid only then; one micro-batch sees the whole
+    mini-batch and chooses for itself.
+    """
+    def selection_key(batch):
+        return jax.random.fold_in(jax.random.key(seed), batch["key_seed"])
+
+    def token_logprobs(model, batch):
+        return model.token_logprobs(batch["input_ids"], batch["positions"], batch["segment_ids"], batch["targets"],
+                                    chunk_size=chunk_size)
+
+    def micro_loss(model, batch, _micro_index):
+        """The objective on one micro-batch (normalised by the mini-batch's global normalizer)."""
+        logp, entropy, out = token_logprobs(model, batch)
+        loss, metrics = rl_objective(
+            objective, logp, batch["old_logp"], batch["advantages"], batch["mask"],
+            rollout_logp=batch["rollout_logp"], ref_logp=batch.get("ref_logp"), entropy=entropy,
+            normalizer=batch["normalizer"], key=selection_key(batch), cov_selection=batch.get("cov_selection"),
+        )
+        if objective.bypass:
+            # No recompute pass: on the first mini-batch the learner's logp *is* the recompute.
+            metrics.update(mismatch_metrics(jax.lax.stop_gradient(logp), batch["rollout_logp"], batch["mask"]))
+        if model.config.moe_layer_indices:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+            metrics = dict(metrics, moe_aux_loss=out.aux_loss)
+        return loss, metrics
+
+    accumulated = accumulate(micro_loss, micro_batches)
+    if objective.entropy_control == "none" or micro_batches == 1:
+        return accumulated
+
+    def loss_fn(model, batch):
+        graphdef, params = nnx.split(model)
+        frozen = jax.lax.stop_gradient(params)  # the selection is a statistic: no gradient, no residuals
+
+        def micro_logp(micro_batch):
+            return token_logprobs(nnx.merge(graphdef, frozen), micro_batch)[0]
+
+        inputs = {k: batch[k] for k in ("input_ids", "positions", "segment_ids", "targets")}
+        logp = join_micro_batches(jax.lax.map(micro_logp, split_micro_batches(inputs, micro_batches)))
+        selection, selection_metrics = entropy_control_selection(
+            objective, logp, batch["advantages"], batch["mask"], key=selection_key(batch))
+        loss, metrics = accumulated(model, dict(batch, cov_selection=selection))
+        return loss, {**metrics, **selection_metrics}
+
+    return loss_fn
+
+
 class RLTrainer:
     """Builds everything from a TrainConfig; ``run()`` trains and returns the final summary."""
 
@@ -129,8 +189,9 @@ class RLTrainer:
         self.length = data.max_prompt_tokens + config.rollout.max_new_tokens - 1
         self.total_updates = config.steps * config.update.mini_batches
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_updates)
-        self.train_step, self.state = make_train_step(
-            model, optimizer, accumulate(self._micro_loss, config.update.micro_batches), self.mesh)
+        loss_fn = rl_loss_fn(config.objective, seed=config.seed, micro_batches=config.update.micro_batches,
+                             chunk_size=config.update.logprob_chunk_size)
+        self.train_step, self.state = make_train_step(model, optimizer, loss_fn, self.mesh)
         graphdef = self.train_step.graphdef
         sequences = config.rollout.prompts_per_step * config.rollout.group_size
         rows = sequences // (config.update.mini_batches * config.update.micro_batches)
@@ -163,27 +224,6 @@ class RLTrainer:
             max_new_tokens=r.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed,
             logprob_kind=r.logprob_kind, **changes,
         )
-
-    # ---------------------------------------------------------------- loss
-    def _micro_loss(self, model, batch, micro_index):
-        """The objective on one micro-batch (normalised by the mini-batch's global normalizer)."""
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.config.seed), batch["key_seed"]), micro_index)
-        logp, entropy, out = model.token_logprobs(
-            batch["input_ids"], batch["positions"], batch["segment_ids"], batch["targets"],
-            chunk_size=self.config.update.logprob_chunk_size,
-        )
-        loss, metrics = rl_objective(
-            self.config.objective, logp, batch["old_logp"], batch["advantages"], batch["mask"],
-            rollout_logp=batch["rollout_logp"], ref_logp=batch.get("ref_logp"), entropy=entropy,
-            normalizer=batch["normalizer"], key=key,
-        )
-        if self.config.objective.bypass:
-            # No recompute pass: on the first mini-batch the learner's logp *is* the recompute.
-            metrics.update(mismatch_metrics(jax.lax.stop_gradient(logp), batch["rollout_logp"], batch["mask"]))
-        if model.config.moe_layer_indices:
-            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
-            metrics = dict(metrics, moe_aux_loss=out.aux_loss)
-        return loss, metrics
 
     # ---------------------------------------------------------------- one step
     def _rollout(self, examples, seed: int, n: int, temperature: float | None = None):
