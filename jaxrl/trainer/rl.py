@@ -23,6 +23,7 @@ uninterrupted one exactly (same samples, same updates) on CPU in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -98,7 +99,12 @@ def make_engine(config: TrainConfig, model, mesh) -> tuple[RolloutEngine, Any]:
     if r.engine == "sglang":
         from jaxrl.rollout.sglang import ServerManager, SGLangEngine
 
-        manager = ServerManager(r.sglang.server).start()
+        server = r.sglang.server
+        if jax.process_count() > 1:
+            # Processes that share a host (one per GPU under SLURM) must not share ports: each
+            # process starts its own servers, so process p takes the block after process p-1's.
+            server = dataclasses.replace(server, base_port=server.base_port + jax.process_index() * server.num_servers)
+        manager = ServerManager(server).start()
         return SGLangEngine(manager, push=r.sglang.push, client=r.sglang.client), manager
     from jaxrl.rollout.sampler import JaxSampler
 
