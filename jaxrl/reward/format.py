@@ -1,6 +1,6 @@
 """Format checks: a response passes when it matches a regex and contains required phrases.
 
-Used alone (an instruction-following task) or inside ``jaxrl.reward.build`` as a
+Used alone (an instruction-following task) or inside ``jaxrl.reward.build_reward`` as a
 gate. A format reward never marks a sample unparsable: failing the format is
 itself the gradable outcome.
 """
