@@ -13,7 +13,7 @@ Why a float64 NumPy version beside the jittable float32 one in
 form: the subtraction leaves a relative error of about ``2 eps / |x|``, 25% at
 ``|x| = 1e-6`` (the scale of the float32 engine-vs-learner residual). In
 float64 that error is about 2e-16 / |x|, negligible down to the float32
-logprob resolution. tests/align/test_metrics.py checks both versions agree
+logprob resolution. tests/align/test_align_metrics.py checks both versions agree
 where float32 resolves the values.
 """
 
