@@ -92,7 +92,7 @@ def token_entropy_from_logits(logits: jax.Array) -> jax.Array:
 # From hidden states and the LM-head weight, in tiles
 # --------------------------------------------------------------------------- #
 def _vocab_tile(lm_head, bias, tile_index, vocab_chunk):
-    """Columns of tile ``tile_index``: (weight [D, vc], bias [vc] f32 or None, col ids, valid).
+    """Columns of tile ``tile_index``: (first column, weight [D, vc], bias [vc] f32 or None, col ids, valid).
 
     The last tile is clamped to end at ``V`` instead of padding the weight (a
     padded copy of a 150k-column head would cost as much as the head); its
