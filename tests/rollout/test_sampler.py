@@ -204,7 +204,7 @@ def test_float32_recompute_residual(model, sampler):
     """Learner recompute vs the sampler's RAW logprobs in float32 (see sampler module doc).
 
     Not bit-identical on XLA CPU (shape-dependent matmul tiling); the residual is float32
-    rounding of the logits: measured max |dlogp| ~2.4e-7 (a couple of ulps), k3 ~1e-14.
+    rounding of the logits: measured max |dlogp| ~1.4e-6, k3 ~2e-13 (jax 0.10.2, XLA CPU).
     """
     batch = score_with_learner(model, collect(sampler, PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8,
                                                                                seed=1)))
