@@ -1,4 +1,5 @@
-"""The alignment gate: upper limits on report metrics, for CI and the trainer's batch filter.
+"""The alignment gate: upper limits on report metrics, for CI (the trainer's batch filter is
+``jaxrl.losses.mismatch.batch_filter``, not this).
 
 ``Gate(limits={"k3": 1e-3, "abs_log_ratio_max": 0.5})`` passes a report when
 every named metric of ``report["overall"]`` is at most its limit. A NaN metric
