@@ -80,9 +80,11 @@ def sequence_advantages(config, scores: np.ndarray, valid: np.ndarray, group_siz
     rewards = jnp.asarray(scores, jnp.float32)
     if config.estimator in _GROUPED:
         group_ids = np.where(valid, np.arange(n) // group_size, num_prompts).astype(np.int32)
-        adv, metrics = fn(rewards, group_ids=jnp.asarray(group_ids), num_groups=num_prompts + 1, **options)
+        adv, _ = fn(rewards, group_ids=jnp.asarray(group_ids), num_groups=num_prompts + 1, **options)
     else:
-        adv, metrics = fn(rewards, **options)
+        adv, _ = fn(rewards, **options)
+    # The estimator's own zero-variance count would include the extra group of invalid samples
+    # (and, for "reinforce", the whole batch): the fraction below counts prompt groups, valid samples only.
     adv = np.where(valid, np.asarray(adv), 0.0).astype(np.float32)
     valid_groups = [valid[i * group_size:(i + 1) * group_size] for i in range(num_prompts)]
     zero = sum(
