@@ -1,4 +1,5 @@
-"""Trainer building blocks against hand-computed values: sequence packing, LR schedules, the CLI's config errors."""
+"""Trainer building blocks against hand-computed values: sequence packing, LR schedules, the CLI's config errors,
+advantages with invalid samples."""
 
 import math
 
@@ -45,3 +46,24 @@ def test_cli_reports_config_errors_with_exit_code_2(capsys):
     assert "unknown key rollout.group_sizes" in capsys.readouterr().err
     assert sft_main([os.path.join(configs, "demo_sft.yaml"), "sft.batch_size=0"]) == 2
     assert "sft.batch_size (0) must be >= 1" in capsys.readouterr().err
+
+
+def test_invalid_samples_leave_their_group_baseline_and_the_zero_variance_count():
+    from jaxrl.trainer.config import AdvantageConfig
+    from jaxrl.trainer.rl import sequence_advantages
+
+    # Two prompts, G = 3; sample 2 is invalid (unparsable). GRPO with the sample std (ddof=1):
+    # group 0 over its valid [1, 0]: mean 1/2, std sqrt(1/2) -> +-1/sqrt(2);
+    # group 1 [0, 1, 1]: mean 2/3, std sqrt(1/3) -> (r - 2/3) * sqrt(3).
+    scores = np.array([1.0, 0.0, 1.0, 0.0, 1.0, 1.0], np.float32)
+    valid = np.array([True, True, False, True, True, True])
+    adv, metrics = sequence_advantages(AdvantageConfig(), scores, valid, 3)
+    s = math.sqrt(3.0)
+    np.testing.assert_allclose(adv, [1 / math.sqrt(2), -1 / math.sqrt(2), 0.0, -2 / 3 * s, 1 / 3 * s, 1 / 3 * s],
+                               rtol=1e-6)
+    assert metrics == {"advantage/zero_variance_group_fraction": 0.0}
+    # Group 0's valid samples agree (1, 1); the invalid 0 must not make it look informative.
+    scores[1] = 1.0
+    adv, metrics = sequence_advantages(AdvantageConfig(), scores, valid, 3)
+    np.testing.assert_array_equal(adv[:3], [0.0, 0.0, 0.0])
+    assert metrics == {"advantage/zero_variance_group_fraction": 0.5}
