@@ -87,7 +87,7 @@ def _read_prompts(path: str) -> list[list[int]]:
             ids = item.get("prompt_ids") if isinstance(item, dict) else item
             if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise ValueError(f"{path} line {row}: expected a non-empty list of token ids "
-                                 "(or {\"prompt_ids\": [...]}), got {line.strip()[:80]!r}")
+                                 f"(or {{\"prompt_ids\": [...]}}), got {line.strip()[:80]!r}")
             prompts.append(ids)
     if not prompts:
         raise ValueError(f"{path} holds no prompts")

@@ -42,7 +42,7 @@ def test_run_raw_passes_and_processed_bias_fails_the_gate(checkpoint, tmp_path):
     assert main(["report", str(dump), "--out", str(tmp_path / "again"), "--no-figures", "--max-k3", "1e-6"]) == 0
 
 
-def test_localize_decode_path_and_bad_prompts(checkpoint, tmp_path):
+def test_localize_decode_path_and_bad_prompts(checkpoint, tmp_path, capsys):
     model, prompts = checkpoint
     out = tmp_path / "loc"
     assert main(["localize", "--model", model, "--prompts", prompts, "--out", str(out), "--path", "decode"]) == 0
@@ -50,4 +50,8 @@ def test_localize_decode_path_and_bad_prompts(checkpoint, tmp_path):
     assert result["first_divergence"] is None and (out / "localization.png").stat().st_size > 5000
     bad = tmp_path / "bad.jsonl"
     bad.write_text('[1, 2]\n"oops"\n')
+    capsys.readouterr()
     assert main(["localize", "--model", model, "--prompts", str(bad), "--out", str(out)]) == 2
+    # The error names the file's line and quotes what it holds there.
+    err = capsys.readouterr().err
+    assert "bad.jsonl line 2" in err and "got '\"oops\"'" in err, err
