@@ -23,7 +23,10 @@ the same value and places it with ``jax.device_put(x, sharding)`` (the
 trainer does this: every process reads the same global batch), or each process
 holds only its own rows (:func:`process_rows`) and :func:`global_batch`
 assembles them. Results come back with :func:`to_host` (``np.asarray`` fails
-on an array spread over several processes). Logs and plots come from process
+on an array spread over several processes). Host work split over processes
+(SGLang rollouts: each process drives its own servers) takes
+:func:`process_share` of the items, and :func:`allgather_ragged` gives every
+process the whole result in item order. Logs and plots come from process
 0 (:func:`is_main_process`, :func:`main_process_only`); a failure in one
 process stops all of them with that process's error
 (:func:`stop_all_on_failure`).
