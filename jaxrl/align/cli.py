@@ -248,8 +248,6 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_localize(args) -> int:
-    import os
-
     import numpy as np
 
     from jaxrl.align import localize
