@@ -2,7 +2,7 @@
 """Start one JAX program over several machines by ssh, for clusters without SLURM.
 
     python launch/multinode.py --hostfile hosts.txt --procs-per-host 1 \\
-        -- .venv/bin/python -m jaxrl.cli train configs/qwen3_grpo.yaml
+        -- .venv/bin/python -m jaxrl.cli train configs/qwen3_8b_grpo_gpu.yaml
 
 Hosts come from ``--hosts a,b`` or ``--hostfile`` (one host per line,
 optionally ``host slots=N`` for N processes there; ``#`` starts a comment).

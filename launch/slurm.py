@@ -2,7 +2,7 @@
 """Write and submit a SLURM batch script that runs one command as one JAX program over nodes.
 
     python launch/slurm.py --nodes 4 --gpus-per-node 8 --tasks per-node --partition gpu \\
-        --time 12:00:00 -- .venv/bin/python -m jaxrl.cli train configs/qwen3_moe_gspo.yaml
+        --time 12:00:00 -- .venv/bin/python -m jaxrl.cli train configs/qwen3_30b_a3b_gspo_gpu.yaml
 
 ``--tasks per-node``: one process per node owning all its GPUs (JAX's usual
 GPU layout). ``--tasks per-gpu``: one process per GPU, restricted to it with

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Run one command on every worker of a Cloud TPU VM pod slice, then gather the logs.
 
-    python launch/tpu_pod.py --tpu my-pod --zone us-east5-b --accelerator-type v5litepod-16 \\
-        --sync --setup default -- .venv/bin/python -m jaxrl.cli train configs/tpu_pod.yaml
+    python launch/tpu_pod.py --tpu my-pod --zone us-east5-a --accelerator-type v5p-64 \\
+        --sync --setup default -- .venv/bin/python -m jaxrl.cli train configs/qwen3_8b_grpo_tpu_pod.yaml
 
 Steps, each printed before it runs (``--dry-run`` prints them and runs nothing):
 1. optionally create the slice: ``--create`` (``gcloud compute tpus tpu-vm create``) or
