@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 
 from jaxrl.align.dump import AlignmentBatch  # noqa: E402
-from jaxrl.align.metrics import DEFAULT_BUCKET_EDGES, sequence_log_ppl, token_view  # noqa: E402
+from jaxrl.align.metrics import bucket_metrics, sequence_log_ppl, token_view  # noqa: E402
 
 # Scatter plots of millions of tokens are unreadable and slow; a fixed-seed
 # subsample keeps the picture and the file small.
@@ -83,13 +83,9 @@ def mismatch_vs_prob(batch: AlignmentBatch, path: str) -> str:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     ax.scatter(prob[keep], log_ratio[keep], s=3, alpha=0.3, color="tab:gray", rasterized=True,
                label="token")
-    edges = np.asarray(DEFAULT_BUCKET_EDGES)
-    centres, means = [], []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        sel = (prob >= lo) & (prob < hi) if hi < 1 else (prob >= lo)
-        if sel.any():
-            centres.append(np.sqrt(max(lo, 1e-12) * hi))
-            means.append(float(np.mean(np.abs(log_ratio[sel]))))
+    buckets = [row for row in bucket_metrics(view) if row["num_tokens"]]
+    centres = [np.sqrt(max(row["low"], 1e-12) * row["high"]) for row in buckets]
+    means = [row["abs_log_ratio_mean"] for row in buckets]
     ax.plot(centres, means, "o-", color="tab:red", label="bucket mean |log ratio|")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
