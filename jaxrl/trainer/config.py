@@ -108,6 +108,8 @@ class UpdateConfig:
     accumulation inside each optimizer step (same update as one big batch). Whether ``old_logp``
     is recomputed or bypassed is ``objective.bypass``. reference_metrics: compute the reference
     model's logprobs for the KL metrics even when the objective has no KL term.
+    logprob_chunk_size: tokens per chunk of the learner's LM head (logprobs and entropy are
+    computed chunk by chunk, never as a whole ``[B, T, V]`` logits array).
     """
 
     mini_batches: int = 1
