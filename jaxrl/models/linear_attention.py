@@ -88,14 +88,17 @@ def _chunk_decays(cum: jax.Array):
     return pairwise, to_end
 
 
-def _check_qkv(q, k, v, gate_name, gate_shape):
+def _check_qkv(q, k, v, **gates):
+    """q, k, v as documented; each named gate `[batch, time, heads]`."""
     if q.shape != k.shape or q.ndim != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(
             f"q {q.shape}, k {k.shape}, v {v.shape}: expected q and k [batch, time, heads, key_dim] "
             "and v [batch, time, heads, value_dim] with the same batch, time and heads."
         )
-    if tuple(gate_shape) != tuple(q.shape[:3]):
-        raise ValueError(f"{gate_name} has shape {tuple(gate_shape)}, expected {tuple(q.shape[:3])}.")
+    for name, gate in gates.items():
+        if tuple(gate.shape) != tuple(q.shape[:3]):
+            raise ValueError(f"{name} has shape {tuple(gate.shape)}, expected {tuple(q.shape[:3])} "
+                             "[batch, time, heads].")
 
 
 def lightning_attention(
@@ -114,7 +117,10 @@ def lightning_attention(
     Returns: (o `[B, T, H, Dv]` in v's dtype, final state `[B, H, Dk, Dv]` float32).
     """
     _check_chunk_size(chunk_size)
-    _check_qkv(q, k, v, "log_decay", (q.shape[0], q.shape[1], log_decay.shape[0]))
+    _check_qkv(q, k, v)
+    if tuple(log_decay.shape) != q.shape[2:3]:
+        raise ValueError(f"log_decay has shape {tuple(log_decay.shape)}, expected {q.shape[2:3]}: "
+                         "one log-decay (<= 0) per head.")
     batch, length, heads, key_dim = q.shape
     state0 = _initial_state(initial_state, batch, heads, key_dim, v.shape[-1])
     qc, kc, vc = (_to_chunks(x, chunk_size) for x in (q, k, v))
@@ -163,8 +169,7 @@ def gated_delta_rule(
     Returns: (o `[B, T, H, Dv]` in v's dtype, final state `[B, H, Dk, Dv]` float32).
     """
     _check_chunk_size(chunk_size)
-    _check_qkv(q, k, v, "g", g.shape)
-    _check_qkv(q, k, v, "beta", beta.shape)
+    _check_qkv(q, k, v, g=g, beta=beta)
     batch, length, heads, key_dim = q.shape
     state0 = _initial_state(initial_state, batch, heads, key_dim, v.shape[-1])
     qc, kc, vc = (_to_chunks(x, chunk_size) for x in (q, k, v))

@@ -179,6 +179,10 @@ def test_bad_chunk_size_and_state_shape_are_named():
         la.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state0.transpose(0, 1, 3, 2))
     with pytest.raises(ValueError, match="initial_state"):
         la.lightning_attention(q, k, v, log_decay, initial_state=state0[:1])
+    with pytest.raises(ValueError, match=r"log_decay has shape \(3, 1\), expected \(3,\)"):
+        la.lightning_attention(q, k, v, log_decay[:, None])
+    with pytest.raises(ValueError, match=r"beta has shape \(2, \d+, 1\), expected \(2, \d+, 3\)"):
+        la.gated_delta_rule(q, k, v, g, beta[..., :1])
     with pytest.raises(ValueError, match="linear_chunk_size"):
         tiny_config(linear_chunk_size=0)
 
