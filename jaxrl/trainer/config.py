@@ -197,8 +197,8 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """A whole run. ``output_dir`` receives metrics, TensorBoard events, plots and (by default)
-    checkpoints. ``steps``: RL steps (outer iterations of SPEC 7)."""
+    """A whole run. ``output_dir`` receives metrics, TensorBoard events and plots; checkpoints go
+    to ``checkpoint.directory`` (none when it is empty). ``steps``: RL steps (outer iterations of SPEC 7)."""
 
     output_dir: str
     model: PolicyConfig
