@@ -157,8 +157,11 @@ class RolloutEngine(abc.ABC):
         return [c.add_model_turn(s[0]) for c, s in zip(conversations, samples)]
 
     @abc.abstractmethod
-    def update_weights(self, params, version: str) -> None:
-        """Loads new weights (the learner's parameter state) and sets the version."""
+    def update_weights(self, params, version: str) -> dict[str, float] | None:
+        """Loads new weights (the learner's parameter state) and sets the version.
+
+        May return metrics of the push (e.g. SGLang's ``push/*`` timings); the trainer logs them.
+        """
 
     @property
     @abc.abstractmethod
