@@ -393,7 +393,8 @@ class RLTrainer:
 
     def _restore(self) -> None:
         if self.checkpointer is None:
-            raise ValueError("--resume needs checkpoint.directory")
+            raise ValueError("--resume needs checkpoint.directory (empty in this config): set it to the folder "
+                             "the run saved its checkpoints in, e.g. checkpoint.directory=runs/x/checkpoints")
         self.state, meta = self.checkpointer.restore(self.state)
         if self.needs_reference:
             log.warning("resume: the KL reference is the restored run's initial weights only if model.* points "

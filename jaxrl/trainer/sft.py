@@ -65,7 +65,8 @@ class SFTTrainer:
         self.iterator: BatchIterator | None = None
         if resume:
             if self.checkpointer is None:
-                raise ValueError("--resume needs checkpoint.directory")
+                raise ValueError("--resume needs checkpoint.directory (empty in this config): set it to the folder "
+                                 "the run saved its checkpoints in, e.g. checkpoint.directory=runs/x/checkpoints")
             self.state, meta = self.checkpointer.restore(self.state)
             self.step = int(meta["step"])
             self._enter_stage(int(meta["stage"]))
