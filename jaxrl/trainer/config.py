@@ -162,9 +162,18 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
+    """dump_batch_every: every N steps (0: never) save the step's rollout batch, with the
+    engine's and the learner's logprobs, as ``OUTPUT_DIR/batches/step-NNNNNN.npz`` for
+    ``jaxrl align report`` (the alignment checker's dump format)."""
+
     tensorboard: bool = True
     progress: bool = True
     plots: bool = True
+    dump_batch_every: int = 0
+
+    def __post_init__(self):
+        if self.dump_batch_every < 0:
+            raise ValueError(f"logging.dump_batch_every must be >= 0 (0 never dumps), got {self.dump_batch_every}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl import distributed
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.losses import advantages as advantage_lib
 from jaxrl.losses import (ObjectiveConfig, batch_filter, entropy_control_selection, kl_in_reward,
@@ -112,6 +113,32 @@ def make_engine(config: TrainConfig, model, mesh) -> tuple[RolloutEngine, Any]:
 
     sequences = r.prompts_per_step * r.group_size
     return JaxSampler(model, mesh=mesh, max_batch=max(sequences, config.eval.max_prompts * config.eval.samples)), None
+
+
+def dump_alignment_batch(path: str, batch: dict, generated: np.ndarray, prompt_lengths: list[int],
+                         meta: dict) -> None:
+    """Saves a packed rollout batch in the alignment checker's format (``jaxrl align report``).
+
+    The packed arrays are next-token aligned (column t scores ``targets[:, t]``, the token at
+    position t+1); the dump is token-aligned, so every per-token array moves one column right.
+    Learner logprobs are ``old_logp`` (the recompute; the engine's own under bypass).
+    """
+    from jaxrl.align.dump import AlignmentBatch
+
+    def token_aligned(packed, fill=0):
+        return np.concatenate([np.full((packed.shape[0], 1), fill, packed.dtype), packed], axis=1)
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    model_mask = token_aligned(generated, False)
+    tokens = token_aligned(batch["targets"])
+    tokens[:, 0] = batch["input_ids"][:, 0]
+    AlignmentBatch(
+        token_ids=tokens, model_mask=model_mask,
+        rollout_logprobs=token_aligned(np.asarray(batch["rollout_logp"], np.float32)),
+        learner_logprobs=np.where(model_mask, token_aligned(np.asarray(batch["old_logp"], np.float32)), 0.0),
+        turn_ids=np.where(model_mask, 0, -1), prompt_lengths=np.asarray(prompt_lengths),
+        lengths=batch["segment_ids"].sum(axis=1) + 1, meta=meta,
+    ).save(path)
 
 
 def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chunk_size: int) -> Callable:
@@ -264,6 +291,7 @@ class RLTrainer:
             self.tokenizer.pad_token_id, completion_values=[s.output_logprobs for _, s in flat],
         )
         batch["rollout_logp"] = batch.pop("values")
+        generated = batch["mask"] > 0  # every engine token, before unparsable samples leave the gradient
         batch["mask"] = batch["mask"] * valid[:, None]
 
         t = time.perf_counter()
@@ -279,6 +307,11 @@ class RLTrainer:
         if self.needs_reference:
             batch["ref_logp"] = self.scorer(self.reference, batch)[0]
         timings["recompute"] = time.perf_counter() - t
+        every = config.logging.dump_batch_every
+        if every and step % every == 0 and distributed.is_main_process():
+            dump_alignment_batch(os.path.join(config.output_dir, "batches", f"step-{step:06d}.npz"), batch, generated,
+                                 [len(e.prompt_ids) for e, _ in flat],
+                                 {"step": step, "weight_version": self.engine.weight_version, "source": "jaxrl train"})
 
         rewards = scored.scores
         if objective.kl_in_reward_coef > 0:
