@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 
 import requests
 
@@ -393,7 +392,9 @@ def _tail(path: pathlib.Path, lines: int = 25) -> str:
         return f"(cannot read {path}: {err})"
 
 
-_LIVE_MANAGERS: "weakref.WeakSet[ServerManager]" = weakref.WeakSet()
+# Strong references: a started manager must be stopped at exit even when the caller dropped it
+# (a weak set let the garbage collector take it first, leaving its servers running).
+_LIVE_MANAGERS: "set[ServerManager]" = set()
 _EXIT_HANDLERS_INSTALLED = False
 
 
