@@ -22,7 +22,6 @@ import json
 import os
 import socket
 import sys
-import types
 
 from jaxrl.align.gate import GATEABLE, Gate
 
@@ -123,43 +122,13 @@ def _parse_mesh(text: str | None):
     return make_mesh(MeshConfig.from_dict(sizes))
 
 
-class _RunningServers:
-    """SGLang servers started by someone else (``--server-url``), offering what ``SGLangEngine``
-    reads from a ``ServerManager``. They are not ours: nothing restarts them, so a request
-    that keeps failing ends the run with the URL named. Their logprob kind is whatever they
-    were started with (raw needs ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``) and cannot be asked;
-    wrong ones show up in the report as a mismatch, so the engine is told "raw" and refuses
-    neither kind."""
+def _external_servers(urls: list[str], model_path: str):
+    from jaxrl.rollout.sglang.server import ExternalServers
 
-    def __init__(self, urls: list[str], model_path: str):
-        import requests
-
-        from jaxrl.rollout.base import LogprobKind
-
-        self.urls = tuple(u.rstrip("/") for u in urls)
-        self.num_servers = len(self.urls)
-        self.model_path = model_path
-        self.config = types.SimpleNamespace(logprob_kind=LogprobKind.RAW, return_routed_experts=False)
-        versions = []
-        for url in self.urls:
-            try:
-                response = requests.get(url + "/model_info", timeout=10)
-                response.raise_for_status()
-                versions.append(str(response.json().get("weight_version", "unknown")))
-            except (requests.RequestException, ValueError) as err:
-                raise ValueError(f"--server-url {url}: no SGLang server answers GET {url}/model_info "
-                                 f"({type(err).__name__}: {err}); start one for --model "
-                                 "(python -m sglang.launch_server --model-path ...) or use --launch") from None
-        if len(set(versions)) > 1:
-            raise ValueError(f"--server-url: the servers serve different weight versions "
-                             f"{dict(zip(self.urls, versions))}; point at servers with the same weights")
-        self.weight_version = versions[0]
-
-    def describe(self, index: int) -> str:
-        return f"SGLang server {index} at {self.urls[index]} (--server-url)"
-
-    def ensure_running(self, index: int) -> bool:
-        return False  # not ours to restart
+    try:
+        return ExternalServers(urls, model_path)
+    except ValueError as err:
+        raise ValueError(f"--server-url {err}; or use --launch") from None
 
 
 def _free_port(first: int = 30000, last: int = 32000) -> int:
@@ -228,7 +197,7 @@ def _cmd_run(args) -> int:
     # Cheap checks first: an unreachable server or a bad checkpoint fails before a server starts.
     servers = None
     if args.engine == "sglang":
-        servers = _launched_servers(args) if args.launch else _RunningServers(args.server_url, args.model)
+        servers = _launched_servers(args) if args.launch else _external_servers(args.server_url, args.model)
     mesh = _parse_mesh(args.mesh)
     model = _load_model(args, mesh)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -11,10 +11,12 @@ from jaxrl.rollout.sglang.client import (
     decode_routed_experts,
 )
 from jaxrl.rollout.sglang.engine import PushConfig, SGLangEngine, WeightPushError
-from jaxrl.rollout.sglang.server import ServerConfig, ServerManager, ServerStartError
+from jaxrl.rollout.sglang.server import (ExternalFleetConfig, ExternalServers, ServerConfig, ServerManager,
+                                          ServerStartError)
 
 __all__ = [
     "ClientConfig", "PushConfig", "SGLangClient", "SGLangEngine", "SGLangRequestError",
-    "SGLangResponseError", "ServerConfig", "ServerManager", "ServerStartError", "WeightPushError",
+    "SGLangResponseError", "ExternalFleetConfig", "ExternalServers", "ServerConfig", "ServerManager",
+    "ServerStartError", "WeightPushError",
     "decode_routed_experts",
 ]

@@ -420,3 +420,67 @@ def _install_exit_handlers() -> None:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(sig) in (signal.SIG_DFL, None):
                 signal.signal(sig, _on_fatal_signal)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExternalFleetConfig:
+    """What ``SGLangEngine`` reads from a fleet's config when jaxrl did not start the servers."""
+
+    logprob_kind: LogprobKind = LogprobKind.RAW
+    return_routed_experts: bool = False
+
+
+class ExternalServers:
+    """SGLang servers started by someone else (or a router), behind the interface
+    ``SGLangEngine`` uses of a ``ServerManager``: ``urls``, ``num_servers``, ``model_path``,
+    ``weight_version``, ``config``, ``describe``, ``ensure_running``, ``record_weights``.
+
+    Nothing restarts them (``ensure_running`` is always False), so a request that keeps
+    failing ends with the URL named. How they were started cannot be asked: RAW logprobs
+    need ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` on the server, so ``config.logprob_kind`` is the
+    caller's word, and a wrong one shows up as a mismatch in the alignment report.
+    Construction asks every server's ``/model_info`` and requires one weight version.
+    """
+
+    def __init__(self, urls, model_path: str, config: ExternalFleetConfig = ExternalFleetConfig(),
+                 timeout_s: float = 10.0):
+        if not urls:
+            raise ValueError("ExternalServers needs at least one server URL")
+        self.urls = tuple(u.rstrip("/") for u in urls)
+        self.config = config
+        self._model_path = model_path
+        versions = []
+        for url in self.urls:
+            try:
+                response = requests.get(url + "/model_info", timeout=timeout_s)
+                response.raise_for_status()
+                versions.append(str(response.json().get("weight_version", "unknown")))
+            except (requests.RequestException, ValueError) as err:
+                raise ValueError(f"{url}: no SGLang server answers GET {url}/model_info "
+                                 f"({type(err).__name__}: {err}); start one "
+                                 "(python -m sglang.launch_server --model-path ...) or check the URL") from None
+        if len(set(versions)) > 1:
+            raise ValueError(f"the servers serve different weight versions {dict(zip(self.urls, versions))}; "
+                             "point at servers with the same weights")
+        self._weight_version = versions[0]
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.urls)
+
+    @property
+    def model_path(self) -> str:
+        return self._model_path
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def record_weights(self, model_path: str, weight_version: str) -> None:
+        self._model_path, self._weight_version = model_path, weight_version
+
+    def describe(self, index: int) -> str:
+        return f"SGLang server {index} at {self.urls[index]} (started outside jaxrl)"
+
+    def ensure_running(self, index: int) -> bool:
+        return False  # not ours to restart
