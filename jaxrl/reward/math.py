@@ -1,55 +1,83 @@
-"""Math final-answer reward: extract the answer, compare numerically and symbolically.
+"""Math final-answer reward: extract the answer, parse it without evaluating text, compare values.
 
-Extraction order: the last ``\\boxed{...}`` (balanced braces; ``\\fbox`` too), else
-a "final answer" phrase (``final answer is X``, ``answer: X``, ``#### X``). No
-answer found -> unparsable. Comparison: exact string match after normalising
-LaTeX, else numeric match (relative tolerance), else symbolic equivalence with
-sympy (``simplify(a - b) == 0``). When the optional ``math-verify`` package is
-installed it is tried first for the symbolic step.
+Extraction (linear in the response): the last ``\\boxed{...}``/``\\fbox{...}``, else a
+"final answer" phrase (``final answer is X``, ``answer: X``, ``#### X``); none -> unparsable.
+Comparison: raw strings, strings after normalising LaTeX (``\\frac``, ``\\sqrt``, braces,
+``1,000``, ``%``...), then values.
+
+Parsing: ``jaxrl.reward.math_parser`` reads answers with a whitelisting parser that never
+evaluates text, under size limits (an answer over a limit is unparsable, never a hang).
+
+Values: equal trees match; otherwise mpmath computes both to ``NUMERIC_DIGITS`` digits and
+compares them with a relative tolerance, with symbols at ``SAMPLE_POINTS`` fixed
+pseudo-random points (|x| in [0.5, 2], either sign, so ``sqrt(x^2)`` is not ``x``): every
+point where either side is finite must agree, and ``MIN_AGREEING_POINTS`` must be finite
+on both. ``sympy.simplify`` is not used: its running time has no bound, even on small trees.
 """
 
 from __future__ import annotations
 
+import random
 import re
-from fractions import Fraction
 from typing import Mapping, Sequence
 
+import mpmath
 import sympy
-from sympy.parsing.sympy_parser import (
-    convert_xor,
-    implicit_multiplication_application,
-    parse_expr,
-    standard_transformations,
-)
 
 from jaxrl.reward.base import RewardResult
+from jaxrl.reward.math_parser import AnswerTooLarge, NotMath, parse_answer
 
-try:  # Optional: HF's math-verify handles far more LaTeX than the normaliser below.
-    import math_verify
-except ImportError:
-    math_verify = None
+MAX_ANSWER_CHARS = 512
+NUMERIC_DIGITS = 30
+SAMPLE_POINTS = 6
+MIN_AGREEING_POINTS = 3
+
+
+# --- extraction -------------------------------------------------------------------------
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# (pattern, strip a final "." on the last line). Each captures the rest of the line with
+# [^\n]* and trims it in Python: the old lazy ``(.+?)\s*(?:...)`` form backtracked
+# quadratically over long runs of spaces (seconds for 20k characters).
 _FINAL = [
-    re.compile(r"final answer\s*(?:is|:)?\s*[:=]?\s*(.+?)\s*(?:\.\s*$|$|\n)", re.IGNORECASE),
-    re.compile(r"answer\s*(?:is|:)\s*(.+?)\s*(?:\.\s*$|$|\n)", re.IGNORECASE),
-    re.compile(r"####\s*(.+?)\s*$", re.MULTILINE),
+    (re.compile(r"final answer\s*(?:is|:)?\s*[:=]?\s*([^\n]*)", re.IGNORECASE), True),
+    (re.compile(r"answer\s*(?:is|:)\s*([^\n]*)", re.IGNORECASE), True),
+    (re.compile(r"####\s*([^\n]*)"), False),
 ]
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` with balanced braces, or None."""
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None.
+
+    Scans from the last opening backwards. When a later box is unclosed, an earlier one
+    can only close before that later box starts (past it, its depth is higher by >= 1),
+    so each scan stops there and the whole search is linear in ``len(text)``.
+    """
     starts = [m.end() for m in _BOXED.finditer(text)]
+    stop = len(text)
     for start in reversed(starts):
         depth = 1
-        for i in range(start, len(text)):
+        for i in range(start, stop):
             if text[i] == "{":
                 depth += 1
             elif text[i] == "}":
                 depth -= 1
                 if depth == 0:
                     return text[start:i].strip()
+        stop = start
     return None
+
+
+_ONLY_SPACE_LEFT = re.compile(r"\s*\Z")
+
+
+def _trim_phrase(match: re.Match, text: str, strip_final_dot: bool) -> str:
+    answer = match.group(1).rstrip()
+    # "The final answer is 17." -> 17, only at the end of the text (a match, not a slice of
+    # the rest: that would copy the text once per phrase, quadratic over many phrases).
+    if strip_final_dot and answer.endswith(".") and _ONLY_SPACE_LEFT.match(text, match.end(1)):
+        answer = answer[:-1]
+    return answer.strip().strip("$").strip()
 
 
 def extract_answer(text: str) -> str | None:
@@ -57,14 +85,14 @@ def extract_answer(text: str) -> str | None:
     boxed = extract_boxed(text)
     if boxed is not None:
         return boxed
-    for pattern in _FINAL:
-        matches = pattern.findall(text)
-        if matches:
-            answer = matches[-1].strip().strip("$").strip()
-            if answer:
-                return answer
+    for pattern, strip_final_dot in _FINAL:
+        answers = [a for m in pattern.finditer(text) if (a := _trim_phrase(m, text, strip_final_dot))]
+        if answers:
+            return answers[-1]
     return None
 
+
+# --- normalisation ----------------------------------------------------------------------
 
 def _latex_group(text: str, start: int) -> tuple[str, int]:
     """The {...} group starting at ``text[start] == '{'``: (content, index after it)."""
@@ -77,13 +105,13 @@ def _latex_group(text: str, start: int) -> tuple[str, int]:
 
 
 def normalize_answer(text: str) -> str:
-    """LaTeX-ish answer -> a plain expression string sympy can parse (best effort)."""
+    """LaTeX-ish answer -> a plain expression string (best effort). Quadratic: cap the input first."""
     s = text.strip().strip("$").strip()
     s = re.sub(r"\\text\{[^}]*\}", "", s)
     for cmd in (r"\left", r"\right", r"\!", r"\,", r"\;", r"\displaystyle", "$"):
         s = s.replace(cmd, "")
     s = s.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac")
-    while r"\frac" in s:
+    while r"\frac" in s:  # each pass removes one backslash, so this ends
         i = s.index(r"\frac")
         j = i + len(r"\frac")
         while j < len(s) and s[j] == " ":
@@ -111,52 +139,114 @@ def normalize_answer(text: str) -> str:
     return s.replace(" ", "")
 
 
-_TRANSFORMS = standard_transformations + (implicit_multiplication_application, convert_xor)
+# --- comparison -------------------------------------------------------------------------
+
+_MPMATH_FUNCTIONS = {
+    getattr(sympy, name): getattr(mpmath, name)
+    for name in ("sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "sinh", "cosh", "tanh",
+                 "exp", "log", "factorial")
+}
+_MPMATH_FUNCTIONS[sympy.Abs] = abs
+_MPMATH_CONSTANTS = {sympy.pi: mpmath.pi, sympy.E: mpmath.e, sympy.I: mpmath.j}
 
 
-def _to_sympy(text: str):
-    return parse_expr(text, transformations=_TRANSFORMS, evaluate=True)
+def _numeric(expr: sympy.Expr, point: Mapping) -> mpmath.mpc:
+    """expr's value with mpmath, symbols taken from point: our own walk over the node types the
+    parser builds, so no sympy evaluation (and its assumption queries) ever runs."""
+    if expr.is_Symbol:
+        return point[expr]
+    if expr.is_Rational:
+        return mpmath.mpf(expr.p) / expr.q
+    if expr in _MPMATH_CONSTANTS:
+        return +_MPMATH_CONSTANTS[expr]  # unary + rounds to the working precision
+    args = [_numeric(arg, point) for arg in expr.args]
+    if expr.is_Add:
+        return mpmath.fsum(args)
+    if expr.is_Mul:
+        return mpmath.fprod(args)
+    if expr.is_Pow:
+        return mpmath.power(*args)
+    if expr.func in _MPMATH_FUNCTIONS:
+        return _MPMATH_FUNCTIONS[expr.func](*args)
+    raise NotMath(f"no numeric value for {expr.func.__name__}")  # infinity
 
 
-def _as_number(text: str) -> float | None:
+def _evaluate(expr: sympy.Expr, point: Mapping) -> mpmath.mpc | None:
+    """expr at point to NUMERIC_DIGITS digits, or None where it is not a finite number."""
     try:
-        return float(Fraction(text))
-    except (ValueError, ZeroDivisionError):
+        with mpmath.workdps(NUMERIC_DIGITS):
+            value = mpmath.mpmathify(_numeric(expr, point))
+    except Exception:  # noqa: BLE001 - 1/0, a pole, no convergence...: no value, so no match, never a crash
         return None
+    return value if mpmath.isfinite(value) else None
 
 
-def answers_match(predicted: str, reference: str, rel_tol: float = 1e-6) -> bool:
-    """True when two answers agree: normalised strings, numbers, or symbolic equivalence."""
-    a, b = normalize_answer(predicted), normalize_answer(reference)
+def _close(a: mpmath.mpc, b: mpmath.mpc, rel_tol: float) -> bool:
+    return abs(a - b) <= rel_tol * max(1, abs(b))
+
+
+def _values_match(a: sympy.Expr, b: sympy.Expr, rel_tol: float) -> bool:
+    if a == b:  # also oo == oo, which has no numeric value
+        return True
+    symbols = sorted(a.free_symbols | b.free_symbols, key=str)
+    if not symbols:
+        va, vb = _evaluate(a, {}), _evaluate(b, {})
+        return va is not None and vb is not None and _close(va, vb, rel_tol)
+    rng = random.Random(0)  # fixed points: the same answers always get the same score
+    agreeing = 0
+    for _ in range(SAMPLE_POINTS):
+        point = {s: mpmath.mpf(rng.choice((-1, 1)) * rng.uniform(0.5, 2.0)) for s in symbols}
+        va, vb = _evaluate(a, point), _evaluate(b, point)
+        if va is None and vb is None:
+            continue  # a pole or branch cut both sides share
+        if va is None or vb is None or not _close(va, vb, rel_tol):
+            return False
+        agreeing += 1
+    return agreeing >= MIN_AGREEING_POINTS
+
+
+def grade_answer(predicted: str, reference: str, rel_tol: float = 1e-6) -> bool:
+    """True when two answers agree: strings, normalised strings, or values.
+
+    Raises AnswerTooLarge when either answer exceeds a limit. Text that is not math
+    (in either answer) does not match.
+    """
+    predicted, reference = predicted.strip(), reference.strip()
+    if not predicted:
+        return False
+    if predicted == reference:
+        return True
+    for text in (predicted, reference):
+        if len(text) > MAX_ANSWER_CHARS:
+            raise AnswerTooLarge(f"answer of {len(text)} characters (limit {MAX_ANSWER_CHARS})")
+    try:
+        a, b = normalize_answer(predicted), normalize_answer(reference)
+    except ValueError:  # unbalanced braces
+        return False
     if not a:
         return False
     if a == b:
         return True
-    x, y = _as_number(a), _as_number(b)
-    if x is not None and y is not None:
-        return abs(x - y) <= rel_tol * max(1.0, abs(y))
-    if math_verify is not None:
-        try:
-            if math_verify.verify(math_verify.parse(f"${reference}$"), math_verify.parse(f"${predicted}$")):
-                return True
-        except Exception:  # noqa: BLE001 - fall back to sympy.
-            pass
     try:
-        ea, eb = _to_sympy(a), _to_sympy(b)
-        difference = sympy.simplify(ea - eb)
-        if difference == 0:
-            return True
-        value = complex(difference.evalf())
-        return abs(value) <= rel_tol * max(1.0, abs(complex(eb.evalf())))
-    except Exception:  # noqa: BLE001 - unparsable expressions simply do not match.
+        return _values_match(parse_answer(a), parse_answer(b), rel_tol)
+    except NotMath:
+        return False
+
+
+def answers_match(predicted: str, reference: str, rel_tol: float = 1e-6) -> bool:
+    """``grade_answer`` where an answer over the limits simply does not match."""
+    try:
+        return grade_answer(predicted, reference, rel_tol)
+    except AnswerTooLarge:
         return False
 
 
 class MathAnswerReward:
     """1.0 when the response's final answer equals ``row[answer_field]``, else 0.0.
 
-    No extractable answer -> ``unparsable=True`` (score 0). A row without the answer
-    field raises (the router reports it with the sample).
+    No extractable answer, or an answer (or reference) over the size limits ->
+    ``unparsable=True`` (score 0). Text that is not math is a wrong answer (score 0,
+    parsable). A row without the answer field raises (the router reports it with the sample).
     """
 
     def __init__(self, answer_field: str = "answer", rel_tol: float = 1e-6):
@@ -169,5 +259,8 @@ class MathAnswerReward:
         predicted = extract_answer(response)
         if predicted is None:
             return RewardResult(score=0.0, unparsable=True)
-        ok = answers_match(predicted, str(row[self.answer_field]), self.rel_tol)
+        try:
+            ok = grade_answer(predicted, str(row[self.answer_field]), self.rel_tol)
+        except AnswerTooLarge:
+            return RewardResult(score=0.0, unparsable=True)
         return RewardResult(score=1.0 if ok else 0.0)
