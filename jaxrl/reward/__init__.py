@@ -1,17 +1,21 @@
 """Reward functions: the interface, the math final-answer checker, format checks, per-task routing.
 
-``build_router(RewardConfig)`` turns the config's task table into a ``RewardRouter``.
+``build_router(RewardConfig)`` turns the config's task table into a ``SandboxedRewardRouter``:
+every reward call runs in a worker process under ``reward.timeout_s`` (``jaxrl.reward.sandbox``).
+A ``RewardRouter`` built from plain callables scores in-process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import math as _math
 from typing import Literal
 
 from jaxrl.reward.base import RewardFn, RewardResult, RewardRouter, ScoredBatch
 from jaxrl.reward.format import FormatReward
 from jaxrl.reward.math import MathAnswerReward, answers_match, extract_answer, extract_boxed
+from jaxrl.reward.sandbox import SandboxedRewardRouter, WorkerStartError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +44,26 @@ class TaskRewardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    """task_field: the row field naming each row's task; tasks: task -> its reward."""
+    """task_field: the row field naming each row's task; tasks: task -> its reward.
+
+    timeout_s: the wall-clock limit of one reward-function call, in seconds. Calls run in a
+    worker process; one that runs longer is killed, reported with its sample and counted
+    (``reward/timed_out``) as unparsable with score 0.
+    """
 
     task_field: str = "task"
     default_task: str | None = "math"
     tasks: dict[str, TaskRewardConfig] = dataclasses.field(default_factory=lambda: {"math": TaskRewardConfig()})
     mask_unparsable: bool = True
+    timeout_s: float = 10.0
 
     def __post_init__(self):
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not _math.isfinite(self.timeout_s) or self.timeout_s <= 0):
+            raise ValueError(
+                f"reward.timeout_s={self.timeout_s!r} must be a finite number of seconds > 0 "
+                f"(the limit of one reward-function call)"
+            )
         if not self.tasks:
             raise ValueError("reward.tasks is empty; give at least one task, e.g. {math: {kind: math}}")
         if self.default_task is not None and self.default_task not in self.tasks:
@@ -88,16 +104,19 @@ def build_reward(task: TaskRewardConfig) -> RewardFn:
     return math
 
 
-def build_router(config: RewardConfig) -> RewardRouter:
-    return RewardRouter(
-        {name: build_reward(task) for name, task in config.tasks.items()},
-        task_field=config.task_field,
-        default_task=config.default_task,
+def build_router(config: RewardConfig) -> SandboxedRewardRouter:
+    """The config's tasks behind one worker process, each call limited to ``config.timeout_s``.
+
+    The functions are built here too, so a ``kind: python`` spec that cannot be imported
+    raises ValueError naming it now. Call ``close()`` on the router when done.
+    """
+    return SandboxedRewardRouter(
+        config.tasks, task_field=config.task_field, default_task=config.default_task, timeout_s=config.timeout_s,
     )
 
 
 __all__ = [
     "FormatReward", "MathAnswerReward", "RewardConfig", "RewardFn", "RewardResult", "RewardRouter",
-    "ScoredBatch", "TaskRewardConfig", "answers_match", "build_reward", "build_router", "extract_answer",
-    "extract_boxed",
+    "SandboxedRewardRouter", "ScoredBatch", "TaskRewardConfig", "WorkerStartError", "answers_match",
+    "build_reward", "build_router", "extract_answer", "extract_boxed",
 ]

@@ -126,3 +126,30 @@ def test_python_reward_kind_and_unknown_task():
         router.score(["p"], ["x"], [[]], [{"task": "other"}])
     with pytest.raises(ConfigError, match="default_task"):
         from_dict(RewardConfig, {"default_task": "nope"})
+
+
+def _not_finite(prompt, response, response_ids, row):
+    return RewardResult(float("nan") if "nan" in response else 0.5)
+
+
+def test_in_process_router_reports_non_finite_and_never_times_out():
+    router = RewardRouter({"t": _not_finite}, default_task="t")
+    seen = []
+    out = router.score(["p", "p"], ["nan", "ok"], [[], []], [{}, {}], on_error=seen.append)
+    np.testing.assert_array_equal(out.scores, [0.0, 0.5])
+    np.testing.assert_array_equal(out.raised, [True, False])
+    np.testing.assert_array_equal(out.timed_out, [False, False])
+    assert len(seen) == 1 and "ValueError: reward is not finite: nan on sample 0" in seen[0]
+    router.close()  # nothing to stop in-process; still safe
+
+
+def test_build_router_runs_rewards_in_a_worker_with_the_configured_limit():
+    from jaxrl.reward import SandboxedRewardRouter
+
+    config = from_dict(RewardConfig, {"timeout_s": 2.5, "tasks": {"math": {"kind": "math", "answer_field": "sol"}}})
+    with build_router(config) as router:
+        assert isinstance(router, SandboxedRewardRouter) and router.timeout_s == 2.5
+        assert router.answer_fields == {"math": "sol"}
+        out = router.score(["p"], [r"\boxed{3}"], [[]], [{"sol": "3"}])
+        assert out.scores[0] == 1.0 and not out.timed_out[0] and router.worker_pid is not None
+    assert router.worker_pid is None
