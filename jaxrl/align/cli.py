@@ -11,8 +11,10 @@
       diffs activations module by module, layer by layer between two paths.
 
 Exit status: 0 when the gate passes (or none is set), 1 when it fails or a
-module exceeds the localisation tolerance, 2 on bad input (including an SGLang
-server that cannot be reached or started).
+module exceeds the localisation tolerance, 2 on bad input, with one line naming
+the path and the problem: a missing, truncated or wrong-format dump, prompts file
+or model folder, an --out that is a file, bad options, or an SGLang server that
+cannot be reached or started.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import socket
 import sys
 
 from jaxrl.align.gate import GATEABLE, Gate
+from jaxrl.errors import InputError, InputFileNotFoundError, one_line
 
 
 def _add_gate_options(p: argparse.ArgumentParser) -> None:
@@ -69,35 +72,83 @@ def _finish(batch, args) -> int:
 def _cmd_report(args) -> int:
     from jaxrl.align.dump import AlignmentBatch
 
-    return _finish(AlignmentBatch.load(args.dump), args)
+    _check_out(args.out)
+    batch = AlignmentBatch.load(args.dump)
+    if batch.learner_logprobs is None:
+        raise InputError(f"batch dump {args.dump!r} has no learner_logprobs, so there is nothing to compare; "
+                         "dump batches after the learner's recompute (or score them with "
+                         "jaxrl.align.check.score_with_learner)")
+    if not batch.model_mask.any():
+        raise InputError(f"batch dump {args.dump!r} has no model tokens ({batch.num_sequences} sequences); "
+                         "there is nothing to compare")
+    return _finish(batch, args)
+
+
+def _check_out(path: str) -> None:
+    """--out must be a folder, or a path where one can be made; checked before any work."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise InputError(f"--out {path!r} is an existing file, not a folder; give a folder (made if missing)")
+        target = path
+    else:
+        target = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(target):
+            target = os.path.dirname(target)
+        if not os.path.isdir(target):
+            raise InputError(f"--out {path!r} cannot be made: {target!r} is a file, not a folder")
+    if not os.access(target, os.W_OK):
+        raise InputError(f"--out {path!r}: no permission to write in {target!r}")
+
+
+def _check_save_dump(path: str | None) -> None:
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise InputError(f"--save-dump {path!r} is a folder; give a file name ending in .npz")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise InputError(f"--save-dump {path!r}: folder {parent!r} does not exist")
 
 
 def _read_prompts(path: str) -> list[list[int]]:
-    """JSON lines, each a list of token ids or an object with "prompt_ids"."""
+    """JSON lines, each a list of token ids or an object with "prompt_ids"; errors name the 1-based line."""
+    if not os.path.isfile(path):
+        problem = "is a folder" if os.path.isdir(path) else "does not exist"
+        error = InputError if os.path.isdir(path) else InputFileNotFoundError
+        raise error(f"--prompts {path!r} {problem}; expected a JSON-lines file of token-id lists")
     prompts = []
-    with open(path) as f:
-        for row, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise InputError(f"--prompts {path!r} cannot be read ({one_line(e.strerror or e)})") from e
+    with f:
+        for row, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path} line {row}: not valid UTF-8 at byte {e.start} of the line") from None
             if not line.strip():
                 continue
             try:
                 item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {row}: not JSON ({e})") from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise InputError(f"{path} line {row}: not JSON ({one_line(e)})") from None
             ids = item.get("prompt_ids") if isinstance(item, dict) else item
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise ValueError(f"{path} line {row}: expected a non-empty list of token ids "
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise InputError(f"{path} line {row}: expected a non-empty list of token ids "
                                  f"(or {{\"prompt_ids\": [...]}}), got {line.strip()[:80]!r}")
             prompts.append(ids)
     if not prompts:
-        raise ValueError(f"{path} holds no prompts")
+        raise InputError(f"{path} holds no prompts")
     return prompts
 
 
 def _check_model_folder(path: str) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         problem = "has no config.json" if os.path.isdir(path) else "does not exist"
-        raise FileNotFoundError(f"--model {path!r} {problem}; expected a Hugging Face checkpoint "
-                                "folder (config.json + *.safetensors)")
+        raise InputFileNotFoundError(f"--model {path!r} {problem}; expected a Hugging Face checkpoint "
+                                     "folder (config.json + *.safetensors)")
 
 
 def _load_model(args, mesh=None):
@@ -192,6 +243,8 @@ def _cmd_run(args) -> int:
     from jaxrl.rollout.base import SamplingParams
 
     _check_engine_options(args)
+    _check_out(args.out)
+    _check_save_dump(args.save_dump)
     prompts = _read_prompts(args.prompts)
     _check_model_folder(args.model)
     # Cheap checks first: an unreachable server or a bad checkpoint fails before a server starts.
@@ -221,10 +274,11 @@ def _cmd_localize(args) -> int:
 
     from jaxrl.align import localize
 
+    _check_out(args.out)
     prompts = _read_prompts(args.prompts)[:args.batch]
     length = min(len(p) for p in prompts)
     if length < 2:
-        raise ValueError(f"{args.prompts}: localisation needs prompts of at least 2 tokens; the shortest has {length}")
+        raise InputError(f"{args.prompts}: localisation needs prompts of at least 2 tokens; the shortest has {length}")
     ids = np.array([p[:length] for p in prompts], np.int32)  # equal lengths: no padding in either path
     model = _load_model(args)
     reference = localize.prefill_activations(model, ids)
@@ -322,6 +376,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # InputError (bad file, folder, row) is a ValueError
         print(f"jaxrl align: {e}", file=sys.stderr)
         return 2

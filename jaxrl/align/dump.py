@@ -20,10 +20,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxrl.errors import InputError, InputFileNotFoundError, one_line
 from jaxrl.rollout.base import Conversation
 
 FORMAT = "jaxrl.align.batch/1"
 _REQUIRED = ("token_ids", "model_mask", "rollout_logprobs", "turn_ids", "prompt_lengths", "lengths")
+_OPTIONAL = ("learner_logprobs",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,29 +133,79 @@ class AlignmentBatch:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "AlignmentBatch":
-        """Reads a dump written by ``save``; errors name the file and the problem."""
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"batch dump {os.fspath(path)!r} does not exist")
+        """Reads a dump written by ``save``.
+
+        Every problem raises ``jaxrl.errors.InputError`` (a ValueError; ``InputFileNotFoundError``
+        for a missing file) whose one-line message names the file and the problem: missing, a
+        folder, not an .npz, truncated or corrupt, arrays missing, unexpected, of the wrong
+        dtype or shape, or values the batch cannot hold (named by sequence and position).
+        """
+        name = os.fspath(path)
+        fix = "write dumps with jaxrl.align.AlignmentBatch.save (or the trainer's logging.dump_batch_every)"
+        if not os.path.exists(name):
+            raise InputFileNotFoundError(f"batch dump {name!r} does not exist")
+        if os.path.isdir(name):
+            raise InputError(f"batch dump {name!r} is a folder, not an .npz file")
         try:
-            with np.load(path, allow_pickle=False) as data:
+            with open(name, "rb") as f:
+                magic = f.read(6)
+        except OSError as e:
+            raise InputError(f"batch dump {name!r} cannot be read ({one_line(e.strerror or e)})") from e
+        if not magic.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+            what = ("an empty file" if not magic else "a single .npy array" if magic.startswith(b"\x93NUMPY")
+                    else "not a zip archive")
+            raise InputError(f"batch dump {name!r} is not an .npz file ({what}); {fix}")
+        try:
+            with np.load(name, allow_pickle=False) as data:
                 contents = {k: data[k] for k in data.files}
-        except (ValueError, OSError) as e:
-            raise ValueError(f"batch dump {os.fspath(path)!r} is not a readable .npz file: {e}") from e
+        except Exception as e:  # zipfile.BadZipFile, zlib.error, EOFError, ValueError (object arrays), OSError...
+            raise InputError(f"batch dump {name!r} is truncated or corrupt: cannot read it as an .npz "
+                             f"({type(e).__name__}: {one_line(e)}); {fix}") from e
         missing = [k for k in _REQUIRED + ("meta_json",) if k not in contents]
         if missing:
-            raise ValueError(
-                f"batch dump {os.fspath(path)!r} lacks arrays {missing}; it holds {sorted(contents)}. "
-                "Write dumps with jaxrl.align.AlignmentBatch.save"
-            )
-        meta = json.loads(str(contents.pop("meta_json")))
-        if meta.get("format") != FORMAT:
-            raise ValueError(
-                f"batch dump {os.fspath(path)!r} has format {meta.get('format')!r}, expected {FORMAT!r}"
-            )
+            raise InputError(f"batch dump {name!r} lacks arrays {missing}; it holds {sorted(contents)}. {fix}")
+        unexpected = sorted(set(contents) - set(_REQUIRED + _OPTIONAL + ("meta_json",)))
+        if unexpected:
+            raise InputError(f"batch dump {name!r} holds unexpected arrays {unexpected}; {fix}")
+        meta_json = contents.pop("meta_json")
         try:
-            return cls(meta=meta, **{k: v for k, v in contents.items()})
+            if meta_json.ndim != 0 or meta_json.dtype.kind not in "US":
+                raise ValueError(f"a {meta_json.dtype} array of shape {meta_json.shape}, not a JSON string")
+            meta = json.loads(str(meta_json))
+            if not isinstance(meta, dict):
+                raise ValueError(f"a JSON {type(meta).__name__}, not an object")
         except ValueError as e:
-            raise ValueError(f"batch dump {os.fspath(path)!r}: {e}") from e
+            raise InputError(f"batch dump {name!r}: meta_json is {one_line(e)}; {fix}") from e
+        if meta.get("format") != FORMAT:
+            raise InputError(f"batch dump {name!r} has format {meta.get('format')!r}, expected {FORMAT!r}")
+        for key, value in contents.items():
+            problem = _dtype_problem(key, value)
+            if problem:
+                raise InputError(f"batch dump {name!r}: {key} {problem}")
+        try:
+            return cls(meta=meta, **contents)
+        except ValueError as e:
+            raise InputError(f"batch dump {name!r}: {one_line(e, 500)}") from e
+
+
+# Array -> dtype kinds a dump may store it as (numpy kind codes: b bool, i/u integer, f float).
+_KINDS = {"token_ids": "iu", "model_mask": "biu", "turn_ids": "iu", "prompt_lengths": "iu", "lengths": "iu",
+          "rollout_logprobs": "f", "learner_logprobs": "f"}
+_KIND_NAMES = {"b": "bool", "iu": "integer", "biu": "bool or integer", "f": "floating-point"}
+
+
+def _dtype_problem(key: str, value: np.ndarray) -> str | None:
+    """Why ``value`` cannot be the dump's array ``key`` without changing its values, or None."""
+    kinds = _KINDS[key]
+    if value.dtype.kind not in kinds:
+        return f"has dtype {value.dtype}; expected {_KIND_NAMES[kinds]}"
+    if value.dtype.kind in "iu" and value.size:
+        low, high = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+        if key == "model_mask":
+            low, high = 0, 1
+        if value.min() < low or value.max() > high:
+            return f"holds values outside [{low}, {high}] (min {value.min()}, max {value.max()})"
+    return None
 
 
 def _first_bad(row_condition: np.ndarray) -> int:

@@ -3,8 +3,9 @@
 from jaxrl.data.pipeline import AllRowsBadError, BatchIterator, DataConfig, Example, LoadReport, load_examples
 from jaxrl.data.sources import Row, read_rows
 from jaxrl.data.tokenizer import encode_prompt, load_tokenizer, make_char_tokenizer
+from jaxrl.errors import InputError
 
 __all__ = [
-    "AllRowsBadError", "BatchIterator", "DataConfig", "Example", "LoadReport", "Row", "encode_prompt",
+    "AllRowsBadError", "BatchIterator", "DataConfig", "Example", "InputError", "LoadReport", "Row", "encode_prompt",
     "load_examples", "load_tokenizer", "make_char_tokenizer", "read_rows",
 ]

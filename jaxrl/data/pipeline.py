@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grain
 import numpy as np
 
 from jaxrl.data.sources import Row, read_rows
 from jaxrl.data.tokenizer import encode_prompt
+from jaxrl.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -66,43 +67,86 @@ class Example:
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
-    """How many rows were read, kept and skipped (by reason)."""
+    """How many rows were read, kept and skipped (by reason).
+
+    bad_by_reason: reason -> rows skipped for it ("unreadable", "missing_field",
+      "empty_prompt", "empty_response", "too_long", or a reason given by ``row_check``).
+    first_bad: reason -> the locations ("FILE line N" / "FILE row N") of its first
+      few rows (at most ``FIRST_BAD``), over all files.
+    """
 
     total_rows: int
     bad_rows: int
     bad_by_reason: dict[str, int]
+    first_bad: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
-class AllRowsBadError(ValueError):
-    """Every row of a dataset was invalid."""
+FIRST_BAD = 5  # locations kept (and printed) per problem
 
 
-def _row_problem(row: Row, config: DataConfig, tokenizer, with_response: bool) -> tuple[str, str] | Example:
-    """An Example for a good row, else (reason, message) naming the row."""
+class AllRowsBadError(InputError):
+    """Every row of a dataset was invalid (or the files hold no rows)."""
+
+
+# row_check(row) -> None (keep) or (reason, message) or (reason, message, detail): rows are counted
+# under ``reason``; each (file, reason) gets one warning listing its distinct messages with their
+# counts and first lines, so ``message`` should not vary from row to row; an optional ``detail``
+# (e.g. the row's fields) is shown next to each line number.
+RowCheck = Callable[[dict[str, Any]], "tuple[str, str] | tuple[str, str, str | None] | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bad:
+    """A bad row's problem: ``reason`` (counted), ``message`` (the same for every row with
+    this problem, e.g. "missing field 'answer'") and ``detail`` (this row's specifics, or None)."""
+
+    reason: str
+    message: str
+    detail: str | None = None
+
+
+def _row_problem(row: Row, config: DataConfig, tokenizer, with_response: bool,
+                 row_check: RowCheck | None) -> _Bad | Example:
+    """An Example for a good row, else the problem."""
     if row.data is None:
-        return "unreadable", row.error or "unreadable"
+        return _Bad("unreadable", row.error or "unreadable", row.detail)
     prompt = row.data.get(config.prompt_field)
     if prompt is None:
-        return "missing_field", f"missing field {config.prompt_field!r} (fields: {sorted(row.data)})"
+        return _Bad("missing_field", f"missing field {config.prompt_field!r}",
+                    f"has fields {sorted(row.data)}")
     if not isinstance(prompt, str) or not prompt.strip():
-        return "empty_prompt", f"empty or non-text prompt {prompt!r}"
+        return _Bad("empty_prompt", f"empty or non-text field {config.prompt_field!r}", f"is {_short(prompt)}")
     prompt_ids = encode_prompt(
         tokenizer, prompt, use_chat_template=config.use_chat_template, system_prompt=config.system_prompt
     )
     if len(prompt_ids) > config.max_prompt_tokens:
-        return "too_long", f"prompt has {len(prompt_ids)} tokens > data.max_prompt_tokens={config.max_prompt_tokens}"
+        return _Bad("too_long", f"prompt longer than data.max_prompt_tokens={config.max_prompt_tokens}",
+                    f"{len(prompt_ids)} tokens")
     response_ids: list[int] = []
     if with_response:
         response = row.data.get(config.response_field)
         if response is None:
-            return "missing_field", f"missing field {config.response_field!r} (fields: {sorted(row.data)})"
+            return _Bad("missing_field", f"missing field {config.response_field!r}",
+                        f"has fields {sorted(row.data)}")
         if not isinstance(response, str) or not response:
-            return "empty_response", f"empty or non-text response {response!r}"
+            return _Bad("empty_response", f"empty or non-text field {config.response_field!r}",
+                        f"is {_short(response)}")
         response_ids = list(tokenizer.encode(response, add_special_tokens=False)) + [tokenizer.eos_token_id]
         if len(response_ids) > config.max_response_tokens:
-            return "too_long", (
-                f"response has {len(response_ids)} tokens > data.max_response_tokens={config.max_response_tokens}"
-            )
+            return _Bad("too_long", f"response longer than data.max_response_tokens={config.max_response_tokens}",
+                        f"{len(response_ids)} tokens")
+    if row_check is not None:
+        try:
+            problem = row_check(row.data)
+        except Exception as e:  # a bug in the check, not in the row: stop, but say which row it met
+            e.add_note(f"while checking {row.where} with row_check={getattr(row_check, '__qualname__', row_check)}")
+            raise
+        if problem is not None:
+            if not isinstance(problem, (tuple, list)) or len(problem) not in (2, 3):
+                raise TypeError(f"row_check={getattr(row_check, '__qualname__', row_check)} returned {problem!r} "
+                                f"for {row.where}; expected None, (reason, message) or (reason, message, detail)")
+            reason, message, *detail = problem
+            return _Bad(str(reason), str(message), str(detail[0]) if detail and detail[0] is not None else None)
     return Example(
         prompt=prompt,
         prompt_ids=np.asarray(prompt_ids, np.int32),
@@ -112,32 +156,109 @@ def _row_problem(row: Row, config: DataConfig, tokenizer, with_response: bool) -
     )
 
 
-def load_examples(
-    files: Sequence[str], config: DataConfig, tokenizer, *, with_response: bool = False
-) -> tuple[list[Example], LoadReport]:
-    """Reads, validates and tokenises every row; bad rows are skipped with a warning naming file and row.
+def _short(value: Any, limit: int = 40) -> str:
+    return _clip(repr(value), limit)
 
-    Raises ``AllRowsBadError`` when no row is usable, ``ValueError`` when no file is given.
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Problems:
+    """The bad rows of one file, grouped by reason: counts, messages, first locations."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.by_reason: dict[str, dict] = {}
+
+    def add(self, row: Row, bad: _Bad) -> None:
+        group = self.by_reason.setdefault(bad.reason, {"count": 0, "messages": {}, "unit": row.unit})
+        group["count"] += 1
+        message = group["messages"].setdefault(bad.message, {"count": 0, "first": []})
+        message["count"] += 1
+        if len(message["first"]) < FIRST_BAD:
+            message["first"].append((row.index, bad.detail))
+
+    def warnings(self) -> list[str]:
+        """One line per reason: "skipped 37 rows of FILE: missing field 'answer' (lines 3, 9, 14, ...)"."""
+        lines = []
+        for group in self.by_reason.values():
+            count, unit = group["count"], group["unit"]
+            parts = [self._part(message, info, unit, several=len(group["messages"]) > 1)
+                     for message, info in list(group["messages"].items())[:FIRST_BAD]]
+            if len(group["messages"]) > FIRST_BAD:
+                others = len(group["messages"]) - FIRST_BAD
+                parts.append(f"and {others} other {'problem' if others == 1 else 'problems'}")
+            lines.append(f"skipped {count} {'row' if count == 1 else 'rows'} of {self.path}: {'; '.join(parts)}")
+        return lines
+
+    @staticmethod
+    def _part(message: str, info: dict, unit: str, several: bool) -> str:
+        """ "missing field 'answer' (lines 3, 9, 14, ...)"; with details, "prompt longer than
+        data.max_prompt_tokens=20 (line 4: 50 tokens; line 7: 61 tokens)", or one detail
+        for all when they agree: "missing field 'prompt' (lines 2, 5: has fields ['q'])"."""
+        first, more = info["first"], info["count"] > len(info["first"])
+        counted = f"{info['count']} rows; " if several and info["count"] > 1 else ""
+        details = {detail for _, detail in first}
+        if len(details) > 1:
+            shown = "; ".join(f"{unit} {n}" + (f": {_clip(detail)}" if detail else "") for n, detail in first)
+            return f"{message} ({counted}{shown}{'; ...' if more else ''})"
+        label = unit if len(first) == 1 and not more else unit + "s"
+        (detail,) = details
+        return (f"{message} ({counted}{label} {', '.join(str(n) for n, _ in first)}{', ...' if more else ''}"
+                f"{f': {_clip(detail)}' if detail else ''})")
+
+
+def load_examples(
+    files: Sequence[str], config: DataConfig, tokenizer, *, with_response: bool = False,
+    row_check: RowCheck | None = None,
+) -> tuple[list[Example], LoadReport]:
+    """Reads, validates and tokenises every row; bad rows are skipped, counted and warned about.
+
+    row_check: called with each otherwise valid row's dict; returns None to keep it, or
+      ``(reason, message)`` to skip it, counted under ``reason`` like the built-in problems
+      (e.g. the reward router's ``row_problem``: the row's task has a reward function and the
+      answer field it needs). A third element, if given, is a per-row detail shown next to
+      each line number, so that ``message`` can stay the same from row to row.
+
+    One warning per (file, reason): the count, each distinct message and its first few
+    line/row numbers. Raises ``AllRowsBadError`` (an ``InputError``) when no row is usable, naming
+    the files and the counts per reason; ``InputError`` for a missing or unreadable file
+    and when no file is given.
     """
+    if isinstance(files, (str, bytes)):
+        files = [files]
     if not files:
-        raise ValueError("no data files given; set data.train_files to a list of .jsonl/.parquet files")
+        raise InputError("no data files given; set data.train_files to a list of .jsonl/.parquet files")
     examples: list[Example] = []
     bad_by_reason: dict[str, int] = {}
+    first_bad: dict[str, list[str]] = {}
     total = 0
     for path in files:
+        problems = _Problems(path)
         for row in read_rows(path):
             total += 1
-            result = _row_problem(row, config, tokenizer, with_response)
+            result = _row_problem(row, config, tokenizer, with_response, row_check)
             if isinstance(result, Example):
                 examples.append(result)
                 continue
-            reason, message = result
-            bad_by_reason[reason] = bad_by_reason.get(reason, 0) + 1
-            log.warning("skipping bad row: %s: %s", row.where, message)
-    report = LoadReport(total_rows=total, bad_rows=total - len(examples), bad_by_reason=bad_by_reason)
+            bad_by_reason[result.reason] = bad_by_reason.get(result.reason, 0) + 1
+            locations = first_bad.setdefault(result.reason, [])
+            if len(locations) < FIRST_BAD:
+                locations.append(row.where)
+            problems.add(row, result)
+        for line in problems.warnings():
+            log.warning("%s", line)
+    report = LoadReport(total_rows=total, bad_rows=total - len(examples), bad_by_reason=bad_by_reason,
+                        first_bad=first_bad)
     if not examples:
+        names = ", ".join(map(str, files))
+        if total == 0:
+            raise AllRowsBadError(f"the data files {names} hold no rows; check data.train_files/data.eval_files")
+        counts = ", ".join(f"{n} {reason}" for reason, n in sorted(bad_by_reason.items(), key=lambda kv: -kv[1]))
         raise AllRowsBadError(
-            f"all {total} rows of {list(files)} are bad ({bad_by_reason}); check data.prompt_field="
+            f"all {total} rows of {names} are bad ({counts}; first: "
+            f"{'; '.join(f'{r}: {locs[0]}' for r, locs in first_bad.items())}); check data.prompt_field="
             f"{config.prompt_field!r}, data.max_prompt_tokens={config.max_prompt_tokens} and the warnings above"
         )
     return examples, report

@@ -7,21 +7,55 @@ tokens) with the ``tokenizers`` library, for the CPU demo and tests.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Sequence
 
+from jaxrl.errors import InputError, InputFileNotFoundError, one_line
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+_EXPECTED = "a folder written by save_pretrained (tokenizer.json + tokenizer_config.json)"
+
 
 def load_tokenizer(path: str):
-    """A ``transformers`` tokenizer from a local folder (no downloads)."""
+    """A ``transformers`` tokenizer from a local folder (no downloads).
+
+    A missing folder, a folder with no tokenizer files, a tokenizer.json that is not
+    valid JSON or that transformers cannot build, and a tokenizer without an eos token
+    raise ``InputError`` naming the folder or file and what is expected.
+    """
+    if not os.path.exists(path):
+        raise InputFileNotFoundError(
+            f"tokenizer folder {path!r} does not exist; set data.tokenizer to {_EXPECTED}")
+    if not os.path.isdir(path):
+        raise InputError(f"tokenizer {path!r} is a file, not a folder; set data.tokenizer to {_EXPECTED}")
+    try:
+        present = sorted(os.listdir(path))
+    except OSError as e:
+        raise InputError(f"tokenizer folder {path!r} cannot be read ({one_line(e.strerror or e)})") from e
+    if not any(name in present for name in TOKENIZER_FILES):
+        holds = f"it holds {present[:8]}{' ...' if len(present) > 8 else ''}" if present else "it is empty"
+        raise InputError(f"tokenizer folder {path!r} has no tokenizer files ({holds}); expected {_EXPECTED}")
+    tokenizer_json = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(tokenizer_json):
+        try:
+            with open(tokenizer_json, "rb") as f:
+                json.loads(f.read().decode("utf-8"))
+        except (ValueError, OSError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise InputError(f"{tokenizer_json} is not valid JSON ({one_line(e)}); the file is truncated or "
+                             f"corrupt: copy it again, or re-save the tokenizer with save_pretrained") from e
     from transformers import AutoTokenizer
 
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"tokenizer folder {path!r} does not exist; set data.tokenizer to a folder with tokenizer.json"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, TypeError, tokenizers' Exception...
+        raise InputError(f"tokenizer folder {path!r} cannot be loaded by transformers ({type(e).__name__}: "
+                         f"{one_line(e)}); expected {_EXPECTED}") from e
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer at {path!r} has no eos token; generation could never stop")
+        raise InputError(f"tokenizer at {path!r} has no eos token; generation could never stop. Set eos_token "
+                         "in its tokenizer_config.json")
     return tokenizer
 
 

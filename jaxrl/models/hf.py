@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxrl import distributed
+from jaxrl.errors import InputError, InputFileNotFoundError, one_line
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.decoder import Decoder
 from jaxrl.models.sharding import state_shardings
@@ -152,26 +153,83 @@ def derived_tensors(config: ModelConfig) -> dict[str, np.ndarray]:
     return tensors
 
 
+_RESAVE = "copy the checkpoint again, or re-save it (save_pretrained / jaxrl.models.save_hf_checkpoint)"
+
+
+def _open_safetensors(file: str):
+    """An open safetensors handle; a truncated or corrupt file raises InputError naming it."""
+    try:
+        return safe_open(file, framework="numpy")
+    except Exception as e:  # safetensors' SafetensorError (not an OSError), or an OSError
+        raise InputError(f"{file} is not a readable safetensors file ({one_line(e)}); it is truncated or "
+                         f"corrupt: {_RESAVE}") from e
+
+
+def _read_json(file: str, what: str) -> dict:
+    try:
+        with open(file, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except (ValueError, OSError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise InputError(f"{file} is not valid JSON ({one_line(e)}); {what}") from e
+    if not isinstance(value, dict):
+        raise InputError(f"{file} holds a JSON {type(value).__name__}, not an object; {what}")
+    return value
+
+
 def _tensor_files(path: str) -> dict[str, str]:
     """HF tensor name -> safetensors file holding it."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+        weight_map = _read_json(index, f"a sharded checkpoint's index maps tensor names to files; {_RESAVE}")
+        weight_map = weight_map.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise InputError(f"{index} has no \"weight_map\" object (tensor name -> file); {_RESAVE}")
+        files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        absent = sorted({file for file in files.values() if not os.path.isfile(file)})
+        if absent:
+            raise InputFileNotFoundError(
+                f"{index} names shard files that are missing: {absent[:3]}{' ...' if len(absent) > 3 else ''} "
+                f"({len(absent)} in all); {_RESAVE}")
+        for file in sorted(set(files.values())):
+            with _open_safetensors(file):  # a truncated shard fails here, before any reading
+                pass
+        return files
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, framework="numpy") as f:
+        raise InputFileNotFoundError(
+            f"{path} holds neither model.safetensors nor model.safetensors.index.json; expected a transformers "
+            "checkpoint folder (config.json + *.safetensors)")
+    with _open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
 def read_hf_config(path: str) -> dict:
+    """The checkpoint folder's config.json as a dict; a missing folder or file, or one that is not a
+    JSON object, raises InputError naming the path."""
+    expected = "expected a transformers checkpoint folder (config.json + *.safetensors)"
+    if not os.path.exists(path):
+        raise InputFileNotFoundError(f"model folder {path!r} does not exist; {expected}")
+    if not os.path.isdir(path):
+        raise InputError(f"model folder {path!r} is a file, not a folder; {expected}")
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
-        raise FileNotFoundError(f"{config_file} not found: a transformers checkpoint folder needs a config.json")
-    with open(config_file) as f:
-        return json.load(f)
+        raise InputFileNotFoundError(
+            f"{config_file} not found: a transformers checkpoint folder needs a config.json; {expected}")
+    return _read_json(config_file, "it should be the model's config as written by save_pretrained")
+
+
+def _model_config(path: str, hf_config: dict, overrides: dict, given: dict) -> ModelConfig:
+    """ModelConfig.from_hf; a config.json it cannot read raises InputError naming the file
+    (``given``: the overrides the caller passed, named in the message)."""
+    config_file = os.path.join(path, "config.json")
+    try:
+        return ModelConfig.from_hf(hf_config, **overrides)
+    except KeyError as e:
+        raise InputError(f"{config_file} lacks the field {e.args[0]!r}, which the "
+                         f"{hf_config.get('model_type')!r} model needs") from e
+    except (TypeError, ValueError) as e:
+        with_overrides = f" with overrides {given}" if given else ""
+        raise InputError(f"{config_file}{with_overrides}: {one_line(e, 500)}") from e
 
 
 def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **config_overrides) -> Decoder:
@@ -180,12 +238,17 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **co
     `config_overrides` set ModelConfig fields such as `param_dtype`, `dtype`, `remat`; the
     parameter dtype defaults to the checkpoint's `torch_dtype`/`dtype` (float32 if neither is
     float32/bfloat16). Each host array is sliced per device, so no device holds a full tensor
-    it does not own. Unknown, missing or misshapen tensors raise ValueError naming the tensor.
+    it does not own.
+
+    Bad input raises ``jaxrl.errors.InputError`` (a ValueError) naming the path: a missing
+    folder or config.json, a config.json that is not JSON or names another architecture, a
+    truncated or corrupt safetensors file or index, unknown, missing or misshapen tensors.
     """
     hf_config = read_hf_config(path)
+    given = dict(config_overrides)
     stored_dtype = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
     config_overrides.setdefault("param_dtype", stored_dtype if stored_dtype in NUMPY_DTYPES else "float32")
-    config = ModelConfig.from_hf(hf_config, **config_overrides)
+    config = _model_config(path, hf_config, config_overrides, given)
     maps = tensor_maps(config)
     files = _tensor_files(path)
     expected = {name for m in maps for name in m.hf_names}
@@ -193,11 +256,11 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **co
     if config.tie_word_embeddings and "lm_head.weight" in unknown:
         unknown.remove("lm_head.weight")  # some tied checkpoints store the copy; checked below
     if unknown:
-        raise ValueError(f"checkpoint {path} has tensors the {hf_config['model_type']} model does not: "
+        raise InputError(f"checkpoint {path} has tensors the {hf_config['model_type']} model does not: "
                          f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({len(unknown)} in all)")
     missing = sorted(expected - set(files))
     if missing:
-        raise ValueError(f"checkpoint {path} is missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+        raise InputError(f"checkpoint {path} is missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                          f"({len(missing)} in all)")
 
     handles: dict[str, object] = {}
@@ -205,8 +268,11 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **co
     def read(name: str) -> np.ndarray:
         file = files[name]
         if file not in handles:
-            handles[file] = safe_open(file, framework="numpy").__enter__()
-        return handles[file].get_tensor(name)
+            handles[file] = _open_safetensors(file).__enter__()
+        try:
+            return handles[file].get_tensor(name)
+        except Exception as e:  # SafetensorError: the header promises bytes the file does not hold
+            raise InputError(f"{file}: tensor {name!r} cannot be read ({one_line(e)}); {_RESAVE}") from e
 
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
@@ -214,23 +280,32 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **co
     flat = dict(nnx.to_flat_state(abstract_state))
     flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
     param_dtype = NUMPY_DTYPES[config.param_dtype]
-    for m in maps:
-        var = flat[m.path]
-        value = np.ascontiguousarray(m.load([read(n) for n in m.hf_names]).astype(param_dtype))
-        if value.shape != var.shape:
-            raise ValueError(f"checkpoint tensor(s) {m.hf_names[0]}{' ...' if len(m.hf_names) > 1 else ''} give "
-                             f"shape {value.shape} but config.json implies {var.shape}")
-        if m.path in flat_shardings:
-            array = jax.make_array_from_callback(value.shape, flat_shardings[m.path], lambda index, v=value: v[index])
-        else:
-            array = jax.numpy.asarray(value)
-        flat[m.path] = var.replace(array)
-    if config.tie_word_embeddings and "lm_head.weight" in files:
-        if not np.array_equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
-            raise ValueError(f"checkpoint {path} has tie_word_embeddings=true but an lm_head.weight that differs "
-                             "from model.embed_tokens.weight; set tie_word_embeddings=false in config.json")
-    for handle in handles.values():
-        handle.__exit__(None, None, None)
+    try:
+        for m in maps:
+            var = flat[m.path]
+            names = f"{m.hf_names[0]}{' ...' if len(m.hf_names) > 1 else ''}"
+            stored = [read(n) for n in m.hf_names]
+            try:
+                value = np.ascontiguousarray(m.load(stored).astype(param_dtype))
+            except ValueError as e:  # a reshape that the stored size does not allow
+                raise InputError(f"checkpoint {path}: tensor(s) {names} of shape {stored[0].shape} do not fit "
+                                 f"config.json, which implies {var.shape} ({one_line(e)})") from e
+            if value.shape != var.shape:
+                raise InputError(f"checkpoint {path}: tensor(s) {names} give shape {value.shape} but config.json "
+                                 f"implies {var.shape}")
+            if m.path in flat_shardings:
+                array = jax.make_array_from_callback(value.shape, flat_shardings[m.path],
+                                                     lambda index, v=value: v[index])
+            else:
+                array = jax.numpy.asarray(value)
+            flat[m.path] = var.replace(array)
+        if config.tie_word_embeddings and "lm_head.weight" in files:
+            if not np.array_equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
+                raise InputError(f"checkpoint {path} has tie_word_embeddings=true but an lm_head.weight that "
+                                 "differs from model.embed_tokens.weight; set tie_word_embeddings=false in config.json")
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

@@ -55,21 +55,27 @@ def test_jsonl_and_parquet_give_same_examples(tokenizer, tmp_path):
 
 def test_bad_rows_are_skipped_named_and_counted(tokenizer, tmp_path, caplog):
     path = _jsonl(tmp_path / "mixed.jsonl", [
-        {"prompt": "1+1="},            # 0 good
-        {"question": "1+2="},          # 1 missing field
-        {"prompt": "   "},             # 2 empty prompt
-        {"prompt": "1" * 50},          # 3 too long
-        "{not json",                   # 4 unreadable
-        {"prompt": "2+2="},            # 5 good
+        {"prompt": "1+1="},            # line 1 good
+        {"question": "1+2="},          # line 2 missing field
+        {"prompt": "   "},             # line 3 empty prompt
+        {"prompt": "1" * 50},          # line 4 too long
+        "{not json",                   # line 5 unreadable
+        {"prompt": "2+2="},            # line 6 good
     ])
     with caplog.at_level(logging.WARNING):
         examples, report = load_examples([path], DataConfig(max_prompt_tokens=20), tokenizer)
     assert [e.prompt for e in examples] == ["1+1=", "2+2="]
+    assert [e.where for e in examples] == [f"{path} line 1", f"{path} line 6"]
     assert report.total_rows == 6 and report.bad_rows == 4
     assert report.bad_by_reason == {"missing_field": 1, "empty_prompt": 1, "too_long": 1, "unreadable": 1}
-    for i in (1, 2, 3, 4):
-        assert f"mixed.jsonl row {i}" in caplog.text
-    assert "mixed.jsonl row 0" not in caplog.text
+    assert report.first_bad == {"missing_field": [f"{path} line 2"], "empty_prompt": [f"{path} line 3"],
+                                "too_long": [f"{path} line 4"], "unreadable": [f"{path} line 5"]}
+    # One warning per problem, naming the file, the problem and the (1-based) line.
+    for line, problem in ((2, "missing field 'prompt'"), (3, "empty or non-text field 'prompt'"),
+                          (4, "prompt longer than data.max_prompt_tokens=20"), (5, "not valid JSON")):
+        assert f"skipped 1 row of {path}: {problem} (line {line}" in caplog.text
+    assert len(caplog.records) == 4
+    assert not any(f"(line {good}" in r.getMessage() for r in caplog.records for good in (1, 6))
 
 
 def test_all_bad_rows_is_an_error(tokenizer, tmp_path):

@@ -136,7 +136,7 @@ def test_loop_survives_bad_rows_and_a_raising_reward(files, tmp_path, caplog):
     with open(path, "w") as f:
         for row in rows[:10]:
             f.write(json.dumps(row) + "\n")
-        f.write(json.dumps({"question": "no prompt field"}) + "\n")  # row 10: bad
+        f.write(json.dumps({"question": "no prompt field"}) + "\n")  # line 11 (1-based): bad
         for row in rows[10:]:
             f.write(json.dumps(row) + "\n")
     config = make_config(
@@ -144,7 +144,7 @@ def test_loop_survives_bad_rows_and_a_raising_reward(files, tmp_path, caplog):
         reward={**DENSE_REWARD, "tasks": {"t": {"kind": "python", "function": f"{__name__}:exploding_reward"}}})
     with caplog.at_level(logging.WARNING):
         _run(config)
-    assert f"{path} row 10" in caplog.text
+    assert f"skipped 1 row of {path}: missing field 'prompt' (line 11" in caplog.text
     assert "RuntimeError: reward bug" in caplog.text
     logged = read_jsonl(str(tmp_path / "out" / "metrics.jsonl"))
     assert [r["step"] for r in logged] == [1, 2]
