@@ -6,9 +6,15 @@ module that needs one shares it: ``sglang_dense`` (one dense Qwen3 server) and `
 start together at the first test that needs one and stop at the end of the session. Models are random ``jaxrl.models.Decoder``s
 written with ``save_hf_checkpoint``. A test that pushes other weights must push the fleet's
 own ``model`` back before it ends: later tests, in any module, expect those weights served.
+
+``sglang_dense`` runs with an API key (``ServerConfig.api_key``), so every test on it goes
+through the authenticated path (SGLang ``--api-key``, jaxrl's client sending the Bearer
+header); a test that uses it runs with ``JAXRL_SGLANG_API_KEY`` set to that key, as a user of
+``jaxrl align run --server-url`` against a keyed fleet would. ``sglang_moe`` has no key.
 """
 import concurrent.futures
 import os
+import secrets
 import socket
 
 import pytest
@@ -33,7 +39,7 @@ class SGLangFleet:
     """A random checkpoint (``model``, written to ``model_path``), the ``manager`` of the servers
     that load it and, once started, an ``engine`` on them."""
 
-    def __init__(self, tmp, config, num_servers: int, base_port: int):
+    def __init__(self, tmp, config, num_servers: int, base_port: int, api_key: str = ""):
         from jaxrl.rollout.sglang import ServerConfig, ServerManager
         from jaxrl.rollout.sglang.testing import write_random_checkpoint
 
@@ -41,7 +47,7 @@ class SGLangFleet:
         self.model_path = str(tmp / "model")
         self.model = write_random_checkpoint(self.model_path, config, seed=1)
         self.manager = ServerManager(ServerConfig(
-            model_path=self.model_path, num_servers=num_servers, base_port=base_port,
+            model_path=self.model_path, num_servers=num_servers, base_port=base_port, api_key=api_key,
             return_routed_experts=config.num_experts > 0, log_dir=str(tmp / "logs"),
             startup_timeout_s=200, stop_timeout_s=2))
         self.engine = None
@@ -72,8 +78,8 @@ def _moe_config():
                                    moe_intermediate_size=16)
 
 
-# fixture name -> (model config, number of servers)
-_FLEETS = {"sglang_dense": (_dense_config, 1), "sglang_moe": (_moe_config, 2)}
+# fixture name -> (model config, number of servers, API key)
+_FLEETS = {"sglang_dense": (_dense_config, 1, secrets.token_urlsafe(16)), "sglang_moe": (_moe_config, 2, "")}
 _FLEETS_USED = pytest.StashKey[set]()
 
 
@@ -91,9 +97,9 @@ def _sglang_fleets(request, tmp_path_factory):
     fleets, port = {}, 31200
     try:
         for name in names:
-            make_config, num_servers = _FLEETS[name]
+            make_config, num_servers, api_key = _FLEETS[name]
             port = _free_base_port(num_servers, port)
-            fleets[name] = SGLangFleet(tmp_path_factory.mktemp(name), make_config(), num_servers, port)
+            fleets[name] = SGLangFleet(tmp_path_factory.mktemp(name), make_config(), num_servers, port, api_key)
             port += num_servers
         with concurrent.futures.ThreadPoolExecutor(len(fleets)) as pool:
             for future in [pool.submit(fleet.start) for fleet in fleets.values()]:
@@ -112,3 +118,10 @@ def sglang_dense(_sglang_fleets):
 @pytest.fixture(scope="session")
 def sglang_moe(_sglang_fleets):
     return _sglang_fleets["sglang_moe"]
+
+
+@pytest.fixture(autouse=True)
+def _sglang_dense_api_key_env(request, monkeypatch):
+    """Tests on ``sglang_dense`` see its key in ``JAXRL_SGLANG_API_KEY`` (read by ExternalServers)."""
+    if "sglang_dense" in request.fixturenames:
+        monkeypatch.setenv("JAXRL_SGLANG_API_KEY", request.getfixturevalue("sglang_dense").manager.api_key)

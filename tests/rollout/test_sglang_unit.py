@@ -307,3 +307,204 @@ def test_no_server_outlives_a_crashed_trainer(tmp_path, mode):
         if _alive(p):
             os.kill(p, 9)
     assert not survivors, (mode, survivors)
+
+
+# ----- API keys (servers off loopback require one) ------------------------------------------
+
+def test_loopback_is_127_8_ipv6_one_and_localhost_only():
+    from jaxrl.rollout.sglang.server import is_loopback
+
+    for host in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost", "LOCALHOST"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "10.1.2.3", "192.168.0.7", "myhost.example", "128.0.0.1"):
+        assert not is_loopback(host), host
+    assert ServerConfig(model_path="m", host="::1", base_port=31000).urls == ("http://[::1]:31000",)
+
+
+def test_host_and_api_key_validation_name_the_field():
+    with pytest.raises(ValueError, match="ServerConfig.host: got ''"):
+        ServerConfig(model_path="m", host="")
+    with pytest.raises(ValueError, match="ServerConfig.host"):
+        ServerConfig(model_path="m", host="0.0.0.0 ")
+    with pytest.raises(ValueError, match="ServerConfig.api_key: expected printable") as err:
+        ServerConfig(model_path="m", api_key="two words")
+    assert "two words" not in str(err.value)
+    with pytest.raises(ValueError, match="ServerConfig.extra_args: --api-key is set by ServerConfig.api_key"):
+        ServerConfig(model_path="m", extra_args=("--api-key=abc",))
+
+
+def test_off_loopback_without_a_key_generates_one_for_the_launch_only(monkeypatch):
+    from jaxrl.rollout.sglang.server import EXTERNAL_API_KEY_ENV, LAUNCH_API_KEY_ENV
+
+    monkeypatch.setenv(LAUNCH_API_KEY_ENV, "stale")  # from some outer process: never forwarded as is
+    monkeypatch.setenv(EXTERNAL_API_KEY_ENV, "an-external-fleets-key")
+    config = ServerConfig(model_path="/m", host="0.0.0.0", base_port=31000)
+    manager, other = ServerManager(config), ServerManager(config)
+    key = manager.api_key
+    assert len(key) >= 32 and key != other.api_key  # random, per manager
+    argv = config.command(31000, "/m", "default")
+    env = config.environment(key)
+    assert env[LAUNCH_API_KEY_ENV] == key and EXTERNAL_API_KEY_ENV not in env
+    shown = [" ".join(argv), repr(config), manager.describe(0), str(config.urls)]
+    assert not any(key in text for text in shown)
+    # loopback, no key: none is made, none reaches the launcher
+    local = ServerManager(ServerConfig(model_path="/m", base_port=31000))
+    assert local.api_key == ""
+    assert LAUNCH_API_KEY_ENV not in local.config.environment(local.api_key)
+    # a key given is used on loopback too, and never shown
+    keyed = ServerConfig(model_path="/m", api_key="given-key", base_port=31000)
+    assert ServerManager(keyed).api_key == "given-key" and "given-key" not in repr(keyed)
+
+
+FAKE_KEYED_LAUNCH_SERVER = '''
+import http.server, json, os, sys
+argv = sys.argv[1:]
+host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+with open(os.environ["FAKE_RECORD"], "w") as f:
+    json.dump({"argv": argv, "env_keys": sorted(k for k in os.environ if "API_KEY" in k),
+               "cmdline": open("/proc/self/cmdline").read()}, f)
+key = argv[argv.index("--api-key") + 1] if "--api-key" in argv else None
+print(f"server_args=ServerArgs(host={host!r}, api_key={key!r})", flush=True)  # as SGLang logs it
+if os.environ.get("FAKE_MODE") == "crash":
+    sys.exit(3)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer((host, port), Health).serve_forever()
+'''
+
+
+def _fake_sglang(tmp_path) -> str:
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(FAKE_KEYED_LAUNCH_SERVER)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    return str(fake)
+
+
+def test_generated_key_reaches_sglang_as_api_key_but_no_command_line_or_log(tmp_path, caplog):
+    """Through the real launcher: SGLang's argv ends with --api-key KEY, the process's command
+    line (what ps shows) and environment do not hold it, the warning names the host, not the key,
+    and the server log (SGLang prints its server_args, key included) is private."""
+    import logging
+    import stat
+    import sys
+
+    import requests
+
+    from jaxrl.rollout.sglang.server import EXTERNAL_API_KEY_ENV
+
+    record = tmp_path / "record.json"
+    config = ServerConfig(model_path=str(tmp_path / "model"), host="0.0.0.0", base_port=free_port(),
+                          python=sys.executable, log_dir=str(tmp_path / "logs"), startup_timeout_s=60,
+                          env={"PYTHONPATH": _fake_sglang(tmp_path), "FAKE_RECORD": str(record)})
+    manager = ServerManager(config)
+    key = manager.api_key
+    with caplog.at_level(logging.WARNING, logger="jaxrl.rollout.sglang.server"), manager:
+        assert requests.get(manager.urls[0] + "/health", timeout=5).status_code == 200
+    seen = json.loads(record.read_text())
+    assert seen["argv"][-2:] == ["--api-key", key]
+    assert key not in seen["cmdline"] and "--api-key" not in seen["cmdline"].split("\0")
+    assert EXTERNAL_API_KEY_ENV not in seen["env_keys"] and not seen["env_keys"], seen["env_keys"]
+    warning = caplog.text
+    assert "listen on 0.0.0.0" in warning and "require an API key" in warning and key not in warning
+    assert stat.S_IMODE(os.stat(manager.log_path(0)).st_mode) == 0o600
+
+
+def test_a_crashed_keyed_server_s_log_tail_is_redacted(tmp_path):
+    import sys
+
+    from jaxrl.rollout.sglang import ServerStartError
+    from jaxrl.rollout.sglang.server import REDACTED
+
+    config = ServerConfig(model_path=str(tmp_path / "model"), api_key="s3cret-key-for-the-log",
+                          base_port=free_port(), python=sys.executable, log_dir=str(tmp_path / "logs"),
+                          env={"PYTHONPATH": _fake_sglang(tmp_path), "FAKE_RECORD": str(tmp_path / "r.json"),
+                               "FAKE_MODE": "crash"})
+    with pytest.raises(ServerStartError, match="exited with code 3") as err:
+        ServerManager(config).start()
+    message = str(err.value)
+    assert "s3cret-key-for-the-log" not in message and f"api_key='{REDACTED}'" in message
+
+
+class _KeyedStub(http.server.BaseHTTPRequestHandler):
+    """Refuses like SGLang 0.5.23 with --api-key: HTTP 401 unless ``Authorization: Bearer KEY``."""
+
+    key = "stub-key"
+    seen: list = []
+
+    def _handle(self):
+        if self.headers.get("content-length"):
+            self.rfile.read(int(self.headers["content-length"]))
+        type(self).seen.append(self.headers.get("Authorization"))
+        ok = self.headers.get("Authorization") == f"Bearer {self.key}"
+        data = json.dumps({"weight_version": "default"} if ok else {"error": "Unauthorized"}).encode()
+        self.send_response(200 if ok else 401)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _handle
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def keyed_stub():
+    _KeyedStub.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeyedStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+
+
+def test_client_sends_the_bearer_header_and_a_refusal_names_the_key_not_its_value(keyed_stub):
+    url = f"http://127.0.0.1:{keyed_stub}"
+    client = SGLangClient([url], ClientConfig(max_tries=1), api_key="stub-key")
+    assert client.request(0, "POST", "/generate", {"input_ids": [1]}, "keyed request") == {"weight_version": "default"}
+    assert _KeyedStub.seen == ["Bearer stub-key"]
+    client.close()
+    for key, hint in (("", "this client sent none"), ("wrong-key", "the one sent is not it")):
+        client = SGLangClient([url], ClientConfig(max_tries=3, backoff_s=0.01), api_key=key)
+        with pytest.raises(SGLangRequestError) as err:
+            client.request(0, "POST", "/update_weights_from_disk", {}, "weight push")
+        message = str(err.value)
+        assert "HTTP 401" in message and "requires an API key" in message and hint in message
+        assert "stub-key" not in message and (not key or key not in message)
+        client.close()
+    assert _KeyedStub.seen[1:] == [None, "Bearer wrong-key"]  # 401 is not retried
+
+
+def test_engine_passes_the_manager_s_key_to_its_client(keyed_stub, tmp_path):
+    write_random_checkpoint(str(tmp_path / "model"), ModelConfig(**TINY))
+    for key, works in (("stub-key", True), ("", False)):
+        config = ServerConfig(model_path=str(tmp_path / "model"), base_port=keyed_stub, api_key=key)
+        engine = SGLangEngine(ServerManager(config), client=ClientConfig(max_tries=1))
+        if works:
+            engine.flush_cache()
+        else:
+            with pytest.raises(SGLangRequestError, match="requires an API key and this client sent none"):
+                engine.flush_cache()
+        engine.close()
+
+
+def test_external_servers_take_the_key_from_the_environment_or_the_argument(keyed_stub, monkeypatch):
+    from jaxrl.rollout.sglang import ExternalServers
+
+    url = f"http://127.0.0.1:{keyed_stub}"
+    monkeypatch.setenv("JAXRL_SGLANG_API_KEY", "stub-key")
+    assert ExternalServers([url], "/m").api_key == "stub-key"
+    assert ExternalServers([url], "/m", api_key="stub-key").weight_version == "default"
+    monkeypatch.delenv("JAXRL_SGLANG_API_KEY")
+    with pytest.raises(ValueError, match=r"HTTP 401\): it requires an API key; set \$JAXRL_SGLANG_API_KEY"):
+        ExternalServers([url], "/m")
+    with pytest.raises(ValueError, match=r"the API key from ExternalServers\(api_key=...\) is not the one") as err:
+        ExternalServers([url], "/m", api_key="guess")
+    assert "guess" not in str(err.value)

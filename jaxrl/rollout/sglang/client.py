@@ -58,6 +58,8 @@ class SGLangClient:
     on_failure: called with a server index after a failed try, before the next
       one (the server manager's ``ensure_running``: restarts a dead server).
     describe: names a server for errors (default: its URL).
+    api_key: sent with every request as ``Authorization: Bearer KEY`` (SGLang ``--api-key``);
+      "" sends none. Never part of an error message.
     """
 
     def __init__(
@@ -66,11 +68,13 @@ class SGLangClient:
         config: ClientConfig = ClientConfig(),
         on_failure: Callable[[int], Any] | None = None,
         describe: Callable[[int], str] | None = None,
+        api_key: str = "",
     ):
         if not urls:
             raise ValueError("SGLangClient: urls is empty; expected at least one server URL")
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.config = config
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._on_failure = on_failure
         self._describe = describe or (lambda i: f"SGLang server {i} at {self.urls[i]}")
         self._local = threading.local()
@@ -83,6 +87,7 @@ class SGLangClient:
     def _session(self) -> requests.Session:
         if not hasattr(self._local, "session"):
             self._local.session = requests.Session()
+            self._local.session.headers.update(self._headers)
         return self._local.session
 
     def request(self, server: int, method: str, route: str, payload: dict | None, name: str) -> Any:
@@ -99,6 +104,16 @@ class SGLangClient:
             except _RetryableError as err:
                 last_error = err
             except requests.HTTPError as err:
+                if err.response is not None and err.response.status_code in (401, 403):
+                    raise SGLangRequestError(
+                        f"{self._describe(server)} refused {name} ({method} {route}): HTTP "
+                        f"{err.response.status_code} {_body(err.response)}; the server requires an API key "
+                        + ("and this client sent none: give the key the servers were started with "
+                           "(ServerConfig.api_key, or JAXRL_SGLANG_API_KEY for servers started outside jaxrl)"
+                           if not self._headers else
+                           "and the one sent is not it: check ServerConfig.api_key / JAXRL_SGLANG_API_KEY "
+                           "against the servers' --api-key (an --admin-api-key also guards admin routes "
+                           "such as /update_weights_from_disk)")) from None
                 raise SGLangRequestError(
                     f"{self._describe(server)} rejected {name} ({method} {route}): {err}; "
                     f"server said: {_body(err.response)}. Check the request fields against the "

@@ -117,7 +117,7 @@ class SGLangEngine(RolloutEngine):
         self._export_fn = export_fn
         self._recompute_fn = recompute_fn
         self._client = SGLangClient(manager.urls, client, on_failure=manager.ensure_running,
-                                    describe=manager.describe)
+                                    describe=manager.describe, api_key=getattr(manager, "api_key", ""))
         model_config = _read_model_config(manager.model_path)
         self.vocab_size = int(model_config["vocab_size"])
         if max(push.probe_ids) >= self.vocab_size:

@@ -9,6 +9,14 @@ as a group on ``stop()``, at interpreter exit (``atexit``), on SIGTERM/SIGHUP,
 and, when the trainer is killed outright (SIGKILL, OOM), by the kernel: the
 server's launcher asks for ``PR_SET_PDEATHSIG`` before SGLang starts, and
 SGLang's own subprocesses do the same towards the launcher.
+
+Access: servers listen on 127.0.0.1 unless ``ServerConfig.host`` says otherwise. Off
+loopback they always require an API key (``ServerConfig.api_key``, else a random one
+made per ``ServerManager``), since ``/update_weights_from_disk`` lets anyone who reaches
+the port replace the model. The key reaches SGLang as ``--api-key`` through the
+launcher's environment, never on a command line (``ps`` shows those to every user);
+jaxrl's client sends it as ``Authorization: Bearer KEY``. SGLang 0.5.23 then refuses
+every route but ``/health*``, ``/ready*`` and ``/metrics*`` without it (HTTP 401).
 """
 
 from __future__ import annotations
@@ -16,8 +24,11 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import ipaddress
+import logging
 import os
 import pathlib
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,6 +45,13 @@ CPU_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 CPU_STAND_IN_DIR = REPO_ROOT / "scripts" / "sglang_cpu"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
+# Where the launcher finds the API key (popped before SGLang starts, so its children never see it).
+LAUNCH_API_KEY_ENV = "JAXRL_SGLANG_LAUNCH_API_KEY"
+# The key of a fleet started outside jaxrl (ExternalServers, `jaxrl align run --server-url`).
+EXTERNAL_API_KEY_ENV = "JAXRL_SGLANG_API_KEY"
+REDACTED = "<api-key redacted>"
+
+log = logging.getLogger(__name__)
 
 # Runs in the server's interpreter before SGLang: die with the thread that
 # started us (prctl PR_SET_PDEATHSIG = 1), and give up at once if that already
@@ -42,7 +60,8 @@ _LAUNCHER = (
     "import ctypes, os, runpy, signal, sys\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
     "if os.getppid() != int(os.environ['JAXRL_SGLANG_PARENT_PID']): sys.exit(1)\n"
-    "sys.argv = ['sglang.launch_server'] + sys.argv[1:]\n"
+    f"key = os.environ.pop('{LAUNCH_API_KEY_ENV}', '')\n"
+    "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key', key] if key else [])\n"
     "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
 )
 
@@ -57,7 +76,12 @@ class ServerConfig:
 
     model_path: HF checkpoint folder (config.json + safetensors) every server loads.
     num_servers: servers to start; server i listens on ``base_port + i``.
-    host: bind address; 127.0.0.1 keeps the servers private to this machine.
+    host: bind address; 127.0.0.1 keeps the servers private to this machine. Any address
+      off loopback (not 127.0.0.0/8, ::1 or localhost) needs an API key: ``api_key``, else
+      the ``ServerManager`` makes a random one and logs a warning.
+    api_key: the key every request must carry (SGLang ``--api-key``, sent as
+      ``Authorization: Bearer KEY``); "" for none on loopback, a random one off it.
+      Read a generated one from ``ServerManager.api_key``. Never shown in reprs or logs.
     device: "cpu" (the CPU recipe: stand-in sgl_kernel, torch-native kernels) or "cuda".
     dtype: SGLang ``--dtype``; float32 makes logprobs match a float32 learner.
     logprob_kind: what ``output_token_logprobs`` hold. RAW sets the server-wide
@@ -79,6 +103,7 @@ class ServerConfig:
     model_path: str
     num_servers: int = 1
     host: str = "127.0.0.1"
+    api_key: str = dataclasses.field(default="", repr=False)
     base_port: int = 30000
     device: str = "cpu"
     dtype: str = "float32"
@@ -99,6 +124,11 @@ class ServerConfig:
 
         if not self.model_path:
             bad("model_path", self.model_path, "a Hugging Face checkpoint folder")
+        if not isinstance(self.host, str) or not self.host.strip() or any(c.isspace() for c in self.host):
+            bad("host", self.host, "a bind address such as 127.0.0.1 (this machine only) or 0.0.0.0")
+        if not _valid_key(self.api_key):
+            raise ValueError("ServerConfig.api_key: expected printable characters without spaces "
+                             "(a token such as secrets.token_urlsafe() makes), or \"\" for none")
         if self.num_servers < 1:
             bad("num_servers", self.num_servers, "at least 1")
         if not 1024 <= self.base_port <= 65535 - self.num_servers:
@@ -120,6 +150,9 @@ class ServerConfig:
         if self.omp_num_threads < 1:
             bad("omp_num_threads", self.omp_num_threads, "at least 1")
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in self.extra_args):
+            raise ValueError("ServerConfig.extra_args: --api-key is set by ServerConfig.api_key (so that "
+                             "jaxrl's client sends it and no command line shows it); move it there")
         object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in dict(self.env).items()))
 
     @property
@@ -128,14 +161,21 @@ class ServerConfig:
 
     @property
     def urls(self) -> tuple[str, ...]:
-        return tuple(f"http://{self.host}:{port}" for port in self.ports)
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6 literal
+        return tuple(f"http://{host}:{port}" for port in self.ports)
+
+    @property
+    def on_loopback(self) -> bool:
+        """True when ``host`` is a loopback address (127.0.0.0/8, ::1, localhost): only this machine connects."""
+        return is_loopback(self.host)
 
     @property
     def python_executable(self) -> str:
         return self.python or str(CPU_VENV_PYTHON if self.device == "cpu" else sys.executable)
 
     def command(self, port: int, model_path: str, weight_version: str) -> list[str]:
-        """The server's argv (launched through ``_LAUNCHER``); token ids in and out, no tokenizer."""
+        """The server's argv (launched through ``_LAUNCHER``); token ids in and out, no tokenizer.
+        Holds no API key: the launcher adds ``--api-key`` from ``environment(api_key)``."""
         args = [self.python_executable, "-c", _LAUNCHER, "--model-path", model_path,
                 "--weight-version", weight_version, "--host", self.host, "--port", str(port),
                 "--dtype", self.dtype, "--device", self.device,
@@ -149,7 +189,8 @@ class ServerConfig:
             args += ["--enable-return-routed-experts"]
         return args + list(self.extra_args)
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, api_key: str = "") -> dict[str, str]:
+        """The server's environment; with ``api_key`` the launcher starts SGLang with ``--api-key``."""
         env = dict(os.environ)
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -162,7 +203,32 @@ class ServerConfig:
             env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
         env.update(self.env)
         env["JAXRL_SGLANG_PARENT_PID"] = str(os.getpid())
+        env.pop(EXTERNAL_API_KEY_ENV, None)  # an external fleet's key is not these servers' business
+        if api_key:
+            env[LAUNCH_API_KEY_ENV] = api_key
+        else:
+            env.pop(LAUNCH_API_KEY_ENV, None)
         return env
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost; False for any other address or name (0.0.0.0 included)."""
+    host = host.strip().strip("[]")
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything, so treat it as reachable
+
+
+def _valid_key(key) -> bool:
+    return isinstance(key, str) and all(c.isprintable() and not c.isspace() for c in key)
+
+
+def redact(text: str, api_key: str) -> str:
+    """``text`` with every occurrence of ``api_key`` replaced (SGLang logs its ``server_args``, key included)."""
+    return text.replace(api_key, REDACTED) if api_key else text
 
 
 @dataclasses.dataclass
@@ -181,10 +247,15 @@ class ServerManager:
 
     Thread-safe: ``ensure_running(i)`` may be called from many request threads at
     once; one of them restarts a dead server, the others wait for it.
+
+    api_key: ``config.api_key``; when that is empty and ``config.host`` is off loopback,
+    a random key made here, kept for this manager's life (restarts reuse it). jaxrl
+    never prints or logs it (SGLang's own log, which holds it, is made private, 0600).
     """
 
     def __init__(self, config: ServerConfig):
         self.config = config
+        self._api_key = config.api_key or ("" if config.on_loopback else secrets.token_urlsafe(32))
         log_dir = pathlib.Path(config.log_dir)
         self._servers = [
             _Server(i, port, url, log_dir / f"server-{i}-port-{port}.log")
@@ -209,6 +280,7 @@ class ServerManager:
         if self._stopped:
             self._open()
         self._check_model_path()
+        self._log_access()
         for server in self._servers:
             self._check_port_free(server)
         try:
@@ -246,6 +318,11 @@ class ServerManager:
     @property
     def num_servers(self) -> int:
         return len(self._servers)
+
+    @property
+    def api_key(self) -> str:
+        """The key every request must carry ("" for none): ``config.api_key`` or the generated one."""
+        return self._api_key
 
     def log_path(self, index: int) -> pathlib.Path:
         return self._servers[index].log_path
@@ -304,6 +381,19 @@ class ServerManager:
             _signal_group(process, sig)
 
     # ----- internals -------------------------------------------------------
+    def _log_access(self) -> None:
+        if self.config.on_loopback:
+            return
+        where = f"{self.config.host} (ports {', '.join(map(str, self.config.ports))})"
+        if self.config.api_key:
+            log.info("SGLang servers listen on %s, reachable from other machines; every request "
+                     "needs ServerConfig.api_key", where)
+        else:
+            log.warning("SGLang servers listen on %s, reachable from other machines, and require an "
+                        "API key: jaxrl generated a random one (ServerManager.api_key; not logged). To "
+                        "talk to them yourself, set ServerConfig.api_key, or keep them private with "
+                        "ServerConfig.host=127.0.0.1", where)
+
     def _check_model_path(self) -> None:
         path = pathlib.Path(self._model_path)
         if not (path / "config.json").is_file():
@@ -318,7 +408,8 @@ class ServerManager:
                 "scripts/setup_sglang_cpu.sh, on GPUs pip install -e '.[sglang]'")
 
     def _check_port_free(self, server: _Server) -> None:
-        with socket.socket() as sock:
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        with socket.socket(family) as sock:
             # As the server will: a port whose old connections linger in TIME_WAIT is free.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -331,15 +422,17 @@ class ServerManager:
     def _spawn(self, server: _Server) -> None:
         server.log_path.parent.mkdir(parents=True, exist_ok=True)
         server.starts += 1
-        with open(server.log_path, "a") as log:
-            log.write(f"\n===== jaxrl: start #{server.starts} of server {server.index} "
-                      f"at {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
-            log.flush()
+        with open(server.log_path, "a") as server_log:
+            if self._api_key:  # SGLang writes its server_args, key included, into this log
+                os.chmod(server.log_path, 0o600)
+            server_log.write(f"\n===== jaxrl: start #{server.starts} of server {server.index} "
+                             f"at {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
+            server_log.flush()
             command = self.config.command(server.port, self._model_path, self._weight_version)
-            environment = self.config.environment()
+            environment = self.config.environment(self._api_key)
             server.process = self._spawner.submit(
                 subprocess.Popen, command, env=environment, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True,
             ).result()
 
     def _wait_healthy(self, server: _Server) -> None:
@@ -348,7 +441,7 @@ class ServerManager:
             if server.process.poll() is not None:
                 raise ServerStartError(
                     f"{self.describe(server.index)} exited with code {server.process.returncode} "
-                    f"while starting; last log lines:\n{_tail(server.log_path)}")
+                    f"while starting; last log lines:\n{_tail(server.log_path, self._api_key)}")
             try:
                 if requests.get(server.url + "/health", timeout=5).status_code == 200:
                     return
@@ -359,7 +452,7 @@ class ServerManager:
                 raise ServerStartError(
                     f"{self.describe(server.index)} did not answer /health within "
                     f"{self.config.startup_timeout_s:.0f} s (ServerConfig.startup_timeout_s); "
-                    f"last log lines:\n{_tail(server.log_path)}")
+                    f"last log lines:\n{_tail(server.log_path, self._api_key)}")
             time.sleep(0.5)
 
     def _terminate(self, server: _Server) -> None:
@@ -385,9 +478,9 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _tail(path: pathlib.Path, lines: int = 25) -> str:
+def _tail(path: pathlib.Path, api_key: str = "", lines: int = 25) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return redact("\n".join(path.read_text(errors="replace").splitlines()[-lines:]), api_key)
     except OSError as err:
         return f"(cannot read {path}: {err})"
 
@@ -433,36 +526,58 @@ class ExternalFleetConfig:
 class ExternalServers:
     """SGLang servers started by someone else (or a router), behind the interface
     ``SGLangEngine`` uses of a ``ServerManager``: ``urls``, ``num_servers``, ``model_path``,
-    ``weight_version``, ``config``, ``describe``, ``ensure_running``, ``record_weights``.
+    ``weight_version``, ``config``, ``api_key``, ``describe``, ``ensure_running``, ``record_weights``.
 
     Nothing restarts them (``ensure_running`` is always False), so a request that keeps
     failing ends with the URL named. How they were started cannot be asked: RAW logprobs
     need ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` on the server, so ``config.logprob_kind`` is the
     caller's word, and a wrong one shows up as a mismatch in the alignment report.
     Construction asks every server's ``/model_info`` and requires one weight version.
+
+    api_key: the key the servers were started with (SGLang ``--api-key``); None reads the
+    environment variable ``JAXRL_SGLANG_API_KEY`` (unset or "": no key), which keeps the
+    key off command lines (``jaxrl align run --server-url`` reads it that way).
     """
 
     def __init__(self, urls, model_path: str, config: ExternalFleetConfig = ExternalFleetConfig(),
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, api_key: str | None = None):
         if not urls:
             raise ValueError("ExternalServers needs at least one server URL")
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.config = config
         self._model_path = model_path
+        from_env = api_key is None
+        self._api_key = os.environ.get(EXTERNAL_API_KEY_ENV, "") if from_env else api_key
+        source = f"${EXTERNAL_API_KEY_ENV}" if from_env else "ExternalServers(api_key=...)"
+        if not _valid_key(self._api_key):
+            raise ValueError(f"{source}: the API key must be printable characters without spaces")
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         versions = []
         for url in self.urls:
             try:
-                response = requests.get(url + "/model_info", timeout=timeout_s)
-                response.raise_for_status()
-                versions.append(str(response.json().get("weight_version", "unknown")))
+                response = requests.get(url + "/model_info", headers=headers, timeout=timeout_s)
+                refused = response.status_code in (401, 403)
+                if not refused:
+                    response.raise_for_status()
+                    versions.append(str(response.json().get("weight_version", "unknown")))
             except (requests.RequestException, ValueError) as err:
                 raise ValueError(f"{url}: no SGLang server answers GET {url}/model_info "
                                  f"({type(err).__name__}: {err}); start one "
                                  "(python -m sglang.launch_server --model-path ...) or check the URL") from None
+            if refused:
+                raise ValueError(
+                    f"{url}: the server refused GET {url}/model_info (HTTP {response.status_code}): "
+                    + (f"it requires an API key; set {source} to the key it was started with (--api-key)"
+                       if not self._api_key else
+                       f"the API key from {source} is not the one it was started with (--api-key)"))
         if len(set(versions)) > 1:
             raise ValueError(f"the servers serve different weight versions {dict(zip(self.urls, versions))}; "
                              "point at servers with the same weights")
         self._weight_version = versions[0]
+
+    @property
+    def api_key(self) -> str:
+        return self._api_key
 
     @property
     def num_servers(self) -> int:
