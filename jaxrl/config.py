@@ -9,7 +9,8 @@ naming the dotted key and the keys allowed there; a value of the wrong type
 names the key, the value, and the expected type (or the allowed values of a
 ``Literal``/``Enum``). Values of overrides are parsed as YAML scalars
 (``8`` -> int, ``1e-4`` -> float, ``true`` -> bool, ``[1, 2]`` -> list), so
-the command line and the file follow the same rules. The dataclasses' own
+the command line and the file follow the same rules. A float that is NaN or
+infinite is refused wherever it appears. The dataclasses' own
 ``__post_init__`` validation runs on construction; its ``ValueError`` is
 re-raised with the dotted path of the section it came from.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 import types
 import typing
@@ -101,14 +103,20 @@ def _convert(tp, value, key: str):
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string.
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):
+            # A NaN learning rate trains to all-NaN weights without an error; no setting needs inf.
+            raise ConfigError(f"{key}: {value!r} is not a finite number; give a finite value")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

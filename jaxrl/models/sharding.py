@@ -198,7 +198,9 @@ class TrainStep:
     """A pjit training step over a mesh: `state, metrics = step(state, batch)`.
 
     `state` is `{"params": nnx.State, "opt_state": optax state, "step": int32}`; it is donated
-    and comes back with the same shardings. `loss_fn(model, batch) -> (loss, metrics)` sees the
+    and comes back with the same shardings. A step whose loss, gradient norm or new parameters
+    are not finite leaves the state unchanged and reports `update/nonfinite = 1`;
+    `update/relative_size` is |update| / |params| (both global L2 norms). `loss_fn(model, batch) -> (loss, metrics)` sees the
     model rebuilt from the params. Build with `make_train_step`.
     """
 
@@ -216,8 +218,21 @@ class TrainStep:
         (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        grad_norm, param_norm = optax.tree.norm(grads), optax.tree.norm(state["params"])
+        # A non-finite loss, gradient or result keeps the old parameters and optimizer state: one bad
+        # batch must not turn the whole model into NaN. The caller sees `update/nonfinite` and decides.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        new_state = {"params": keep(params, state["params"]), "opt_state": keep(opt_state, state["opt_state"]),
+                     "step": state["step"] + finite.astype(state["step"].dtype)}
+        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, **{
+            "update/nonfinite": 1.0 - finite.astype(jnp.float32),
+            "update/relative_size": optax.tree.norm(updates) / jnp.maximum(param_norm, 1e-30)})
+        return new_state, metrics
 
     def jitted(self, batch):
         """The jitted step for this batch's structure (shardings derived from its shapes)."""

@@ -12,16 +12,36 @@ and renames it when complete, so a crash mid-save leaves the previous step as th
 latest usable checkpoint). Only the last ``keep`` are kept.
 Restoring takes a target state: its shapes, dtypes and *shardings* decide where the
 arrays land, so a checkpoint written on one mesh restores onto another.
+
+Faults: a latest checkpoint that cannot be read (a missing or truncated file, bad metadata) is
+reported with its path and the cause, moved aside as ``<step>.damaged`` (kept for a look, out
+of the way of the step's next save), and the newest intact one is restored instead. A save
+that fails, in the foreground or in the background, raises ``CheckpointSaveError`` naming the
+folder and the cause at the first check after it failed (the loop checks after every step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions, storage errors)."""
+
+
+def _cause(error: BaseException) -> str:
+    """The innermost exception's one-line description (Orbax wraps the real cause)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +75,7 @@ class Checkpointer:
         if not config.directory:
             raise ValueError("Checkpointer needs checkpoint.directory; set it or disable checkpoints")
         self.config = config
+        self._pending: int | None = None  # the step of a save started and not yet waited for
         # A URL (gs://bucket/run) goes to Orbax as given; abspath would turn it into a local "gs:/" folder.
         self.directory = config.directory if "://" in config.directory else os.path.abspath(config.directory)
         self._manager = ocp.CheckpointManager(
@@ -71,11 +92,28 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Starts saving ``state`` (a pytree of jax arrays) and ``meta`` (JSON-able) as ``step``."""
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+        self._pending = step
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+        except Exception as e:
+            raise self._save_error(e, step) from e
+
+    def check_for_errors(self) -> None:
+        """Raises CheckpointSaveError when a background save has failed since the last check.
+
+        Orbax keeps a failure of its finalising thread until the next save or wait, so a save
+        that is no longer in progress is waited for here (at no cost: it is done)."""
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self.wait()
+
+    def _save_error(self, error: BaseException, step: int | None = None) -> CheckpointSaveError:
+        which = f"checkpoint of step {step}" if step is not None else "a background checkpoint save"
+        return CheckpointSaveError(f"writing {which} to {self.directory} failed: {_cause(error)}; "
+                                   f"free space there or point checkpoint.directory elsewhere, then --resume")
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -84,23 +122,76 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def restore(self, target_state: Any, step: int | None = None) -> tuple[Any, dict]:
-        """(state, meta) of ``step`` (default: latest), placed like ``target_state`` (shardings included)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(
-                f"no complete checkpoint in {self.directory}; run without --resume to start fresh"
-            )
+        """(state, meta) of ``step`` (default: the newest intact one), placed like ``target_state``
+        (shardings included). Without ``step``, damaged checkpoints are reported, moved aside
+        and skipped; FileNotFoundError when none is left."""
+        if step is not None:
+            return self._restore_step(target_state, step)
+        damaged = []
+        for candidate in sorted(self.all_steps(), reverse=True):
+            try:
+                restored = self._restore_step(target_state, candidate)
+            except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable.
+                damaged.append(candidate)
+                log.warning("checkpoint %s is damaged (%s); trying the previous one",
+                            self._step_path(candidate), _cause(e))
+                continue
+            if damaged:
+                self._set_aside(damaged)
+                log.warning("resuming from step %d, the newest intact checkpoint (damaged: %s)", candidate,
+                            ", ".join(str(s) for s in damaged))
+            return restored
+        raise FileNotFoundError(
+            f"no complete checkpoint in {self.directory}"
+            + (f" (damaged: {', '.join(map(str, damaged))})" if damaged else "")
+            + "; run without --resume to start fresh")
+
+    def _restore_step(self, target_state: Any, step: int) -> tuple[Any, dict]:
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(_abstract(target_state)), meta=ocp.args.JsonRestore()
             ),
         )
-        return restored["state"], dict(restored["meta"])
+        meta = restored["meta"]
+        if not isinstance(meta, dict) or "step" not in meta:
+            raise ValueError(f"metadata {meta!r} is not a run's record (no 'step')")
+        return restored["state"], dict(meta)
+
+    def _step_path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Renames damaged step folders to ``<step>.damaged`` so the run can save those steps again."""
+        if jax.process_index() == 0:
+            from etils import epath
+
+            for step in steps:
+                path = epath.Path(self._step_path(step))
+                target = epath.Path(f"{path}.damaged")
+                if target.exists():
+                    target.rmtree()
+                path.rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxrl checkpoint set aside")
+        self._manager.reload()
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Blocks until the background save is written; CheckpointSaveError if it failed."""
+        step, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as e:
+            raise self._save_error(e, step) from e
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the last save and releases Orbax. A failure here is logged, not raised: the
+        loop's own ``wait()`` has surfaced it, and raising again would hide the first report."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.close()
+        except Exception as e:  # noqa: BLE001
+            log.error("closing the checkpoints in %s: %s", self.directory, _cause(e))

@@ -1,4 +1,10 @@
-"""``jaxrl train CONFIG [key=value ...] [--resume]`` and ``jaxrl sft CONFIG [key=value ...] [--resume]``."""
+"""``jaxrl train CONFIG [key=value ...] [--resume | --overwrite]`` and the same for ``jaxrl sft``.
+
+Exit status: 0 done; 2 a bad config, file, folder or row (one line naming it) or an earlier
+run in the way; 128 + N stopped by signal N (SIGTERM 143, SIGINT 130) after saving a
+checkpoint; 1 a failure during training (non-finite updates, a failed checkpoint write, a
+failed push check), with a one-line cause.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Sequence
 
 from jaxrl.config import ConfigError
 from jaxrl.distributed import MeshMismatchError
+from jaxrl.errors import InputError
 
 
 def _parse(prog: str, argv: Sequence[str], what: str):
@@ -21,8 +28,15 @@ def _parse(prog: str, argv: Sequence[str], what: str):
         prog=f"jaxrl {prog}", description=what,
         epilog="Overrides use the config's dotted keys, e.g. optimizer.lr=1e-5 rollout.group_size=16.")
     parser.add_argument("config", help="a YAML or JSON config (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("overrides", nargs="*", help="optional key=value overrides")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
+    start.add_argument("--overwrite", action="store_true",
+                       help="delete an earlier run's metrics and checkpoints in output_dir / checkpoint.directory "
+                            "and start afresh (without it, a fresh start over an earlier run is refused)")
+    if not argv:
+        parser.print_help(sys.stderr)
+        raise SystemExit(2)
     return parser.parse_args(argv)
 
 
@@ -46,14 +60,19 @@ def _load(args):
     return config
 
 
-def _run(trainer_class, config, resume: bool) -> int:
-    """Builds and runs the trainer; with several processes a failure in one stops them all."""
+def _run(prog: str, trainer_class, config, args) -> int:
+    """Builds and runs the trainer; with several processes a failure in one stops them all (a
+    stop on a signal is no failure: every process stops after the same step and returns)."""
     from jaxrl import distributed
+    from jaxrl.trainer.lifecycle import TrainingInterrupted
 
     with distributed.stop_all_on_failure():
-        trainer = trainer_class(config, resume=resume)
+        trainer = trainer_class(config, resume=args.resume, overwrite=args.overwrite)
         try:
             summary = trainer.run()
+        except TrainingInterrupted as e:
+            print(f"jaxrl {prog}: {e}", file=sys.stderr)
+            return e.exit_code
         finally:
             trainer.close()
     if distributed.is_main_process():
@@ -75,7 +94,18 @@ def _main(prog: str, what: str, argv: Sequence[str], trainer_module: str, traine
         return 2
     # Imported after the config is valid: a config error is reported without loading JAX models.
     trainer_class = getattr(importlib.import_module(trainer_module), trainer_name)
-    return _run(trainer_class, config, args.resume)
+    from jaxrl.trainer.checkpoint import CheckpointSaveError
+    from jaxrl.trainer.guard import NonFiniteUpdateError
+    from jaxrl.trainer.rl import PushVerificationError
+
+    try:
+        return _run(prog, trainer_class, config, args)
+    except (InputError, FileNotFoundError) as e:  # FileNotFoundError: --resume with no intact checkpoint
+        print(f"jaxrl {prog}: {e}", file=sys.stderr)
+        return 2
+    except (NonFiniteUpdateError, CheckpointSaveError, PushVerificationError) as e:
+        print(f"jaxrl {prog}: {e}", file=sys.stderr)
+        return 1
 
 
 def train_main(argv: Sequence[str]) -> int:

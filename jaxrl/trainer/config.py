@@ -88,6 +88,17 @@ class RolloutConfig:
                 f"rollout.prompts_per_step ({self.prompts_per_step}) and rollout.group_size "
                 f"({self.group_size}) must be >= 1"
             )
+        # The sampler checks these too, but only after the model loaded and the first rollout began.
+        if not self.temperature >= 0.0:
+            raise ValueError(f"rollout.temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.push_tolerance > 0.0:
+            raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +109,15 @@ class AdvantageConfig:
     std_min: float = 0.1
     std_max: float = 1e6
     ddof: Literal[0, 1] = 1
+
+    # Estimators whose baseline is a statistic of the prompt's group of samples.
+    GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+    def __post_init__(self):
+        if not 0.0 < self.std_min <= self.std_max:
+            raise ValueError(
+                f"advantage.std_min ({self.std_min}) must be > 0 and <= advantage.std_max ({self.std_max}); "
+                f"a zero floor divides a zero-variance group by zero")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +130,19 @@ class UpdateConfig:
     model's logprobs for the KL metrics even when the objective has no KL term.
     logprob_chunk_size: tokens per chunk of the learner's LM head (logprobs and entropy are
     computed chunk by chunk, never as a whole ``[B, T, V]`` logits array).
+    max_consecutive_skips: an optimizer step whose loss, gradient or new parameters are not
+    finite is skipped (parameters and optimizer state kept, ``update/nonfinite_skips`` counts
+    it); this many skips in a row stop the run with an error. spike_factor: warn when an
+    update's gradient norm exceeds ``spike_factor`` x the median of the last 20, or when an
+    update is larger than the parameters it changes (0 disables the warnings).
     """
 
     mini_batches: int = 1
     micro_batches: int = 1
     reference_metrics: bool = False
     logprob_chunk_size: int = 1024
+    max_consecutive_skips: int = 3
+    spike_factor: float = 10.0
 
     def __post_init__(self):
         if self.mini_batches < 1 or self.micro_batches < 1:
@@ -123,6 +150,12 @@ class UpdateConfig:
                 f"update.mini_batches ({self.mini_batches}) and update.micro_batches "
                 f"({self.micro_batches}) must be >= 1"
             )
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"update.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        if self.max_consecutive_skips < 1:
+            raise ValueError(f"update.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+        if self.spike_factor != 0.0 and self.spike_factor <= 1.0:
+            raise ValueError(f"update.spike_factor must be > 1 (or 0 to disable), got {self.spike_factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +174,7 @@ class OptimizerConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self):
-        if self.lr <= 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+        if not self.lr > 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(
                 f"optimizer: lr ({self.lr}) must be > 0, warmup_steps ({self.warmup_steps}) >= 0, "
                 f"min_lr_ratio ({self.min_lr_ratio}) in [0, 1]"
@@ -236,6 +269,11 @@ class TrainConfig:
                 f"file I/O), got {self.output_dir!r}; put checkpoints on gs:// or other storage with "
                 f"checkpoint.directory (Orbax writes there) and keep output_dir local"
             )
+        if self.advantage.estimator in AdvantageConfig.GROUPED and self.rollout.group_size < 2:
+            raise ValueError(
+                f"advantage.estimator={self.advantage.estimator!r} compares the samples of a prompt's group, "
+                f"so rollout.group_size={self.rollout.group_size} gives every sample a zero advantage and "
+                f"nothing is learned; set rollout.group_size >= 2 or use advantage.estimator=reinforce")
         sequences = self.rollout.prompts_per_step * self.rollout.group_size
         split = self.update.mini_batches * self.update.micro_batches
         if sequences % split:

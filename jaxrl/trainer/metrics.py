@@ -2,17 +2,21 @@
 
 The JSONL file holds one object per step: ``{"step": k, "<name>": value, ...}``.
 On resume, lines of steps after the restored step are dropped first, so a resumed
-run's log reads exactly like an uninterrupted one.
+run's log reads exactly like an uninterrupted one; so is a torn last line (a kill or a full
+disk mid-write), with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Mapping
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # What the progress bar shows, when present.
 _BAR_KEYS = ("reward/mean", "entropy", "loss", "time/step")
@@ -27,10 +31,24 @@ def _scalar(value) -> float | None:
 
 
 def read_jsonl(path: str) -> list[dict]:
+    """The rows of a metrics file. A line that is not a JSON object (a last line torn by a kill
+    or a full disk) is dropped with a warning naming it, so it never blocks ``--resume``."""
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                log.warning("%s line %d is not a complete JSON row (%r...); dropped", path, number, line[:60])
+    return rows
 
 
 class MetricsLogger:

@@ -46,7 +46,9 @@ from jaxrl.rollout.base import LogprobKind, RolloutEngine, SamplingParams
 from jaxrl.trainer.checkpoint import Checkpointer
 from jaxrl.trainer.common import (LogprobScorer, accumulate, build_model, build_optimizer, join_micro_batches,
                                   pack_sequences, split_micro_batches)
-from jaxrl.trainer.config import TrainConfig
+from jaxrl.trainer.config import AdvantageConfig, TrainConfig
+from jaxrl.trainer.guard import UpdateGuard
+from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, clear_previous_run, end_step
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
 
@@ -61,7 +63,6 @@ _ADVANTAGES = {
 }
 # Estimators that normalise by a group std take the std clip options.
 _STD_OPTIONS = {"grpo": ("std_min", "std_max", "ddof")}
-_GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 class PushVerificationError(RuntimeError):
@@ -79,7 +80,7 @@ def sequence_advantages(config, scores: np.ndarray, valid: np.ndarray, group_siz
     fn = _ADVANTAGES[config.estimator]
     options = {k: getattr(config, k) for k in _STD_OPTIONS.get(config.estimator, ())}
     rewards = jnp.asarray(scores, jnp.float32)
-    if config.estimator in _GROUPED:
+    if config.estimator in AdvantageConfig.GROUPED:
         group_ids = np.where(valid, np.arange(n) // group_size, num_prompts).astype(np.int32)
         adv, _ = fn(rewards, group_ids=jnp.asarray(group_ids), num_groups=num_prompts + 1, **options)
     else:
@@ -202,15 +203,22 @@ def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chu
 class RLTrainer:
     """Builds everything from a TrainConfig; ``run()`` trains and returns the final summary."""
 
-    def __init__(self, config: TrainConfig, *, resume: bool = False, engine: RolloutEngine | None = None):
+    def __init__(self, config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
+                 engine: RolloutEngine | None = None):
+        """``resume``: continue from the newest intact checkpoint. ``overwrite``: delete an earlier
+        run's metrics and checkpoints in these folders (without it, a fresh start over an earlier
+        run raises RunExistsError before anything is touched)."""
         self.config = config
-        os.makedirs(config.output_dir, exist_ok=True)
+        check_fresh_start(config.output_dir, config.checkpoint.directory, resume=resume, overwrite=overwrite)
+        self.errors: list[str] = []
         data = config.data
         self.tokenizer = load_tokenizer(data.tokenizer)
-        self.examples, self.data_report = load_examples(data.train_files, data, self.tokenizer)
+        self.router = build_router(config.reward)
+        self.examples, self.data_report = load_examples(data.train_files, data, self.tokenizer,
+                                                        row_check=self.router.row_problem)
         self.eval_examples = (
-            load_examples(data.eval_files, data, self.tokenizer)[0][: config.eval.max_prompts]
-            if data.eval_files else []
+            load_examples(data.eval_files, data, self.tokenizer, row_check=self.router.row_problem)[0]
+            [: config.eval.max_prompts] if data.eval_files else []
         )
         # Every process reads the same global batch and runs the same host-side loop (sampling
         # requests, rewards, advantages); the device work is sharded over the global mesh. So the
@@ -218,7 +226,6 @@ class RLTrainer:
         self.iterator = BatchIterator(
             self.examples, config.rollout.prompts_per_step, seed=data.seed, shuffle=data.shuffle,
         )
-        self.router = build_router(config.reward)
         self.mesh = make_mesh(config.mesh)
         model = build_model(config.model, self.mesh)
         self.length = data.max_prompt_tokens + config.rollout.max_new_tokens - 1
@@ -236,6 +243,10 @@ class RLTrainer:
         self.reference = jax.tree.map(jnp.copy, self.state["params"]) if self.needs_reference else None
         self.step = 0
         self.skipped_updates = 0
+        self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
+        if overwrite and not resume:
+            clear_previous_run(config.output_dir, config.checkpoint.directory)
+        os.makedirs(config.output_dir, exist_ok=True)
         self.checkpointer = Checkpointer(config.checkpoint) if config.checkpoint.directory else None
         if resume:
             self._restore()
@@ -245,7 +256,11 @@ class RLTrainer:
         self.engine = engine
         if self.step > 0 or engine.weight_version != "0":
             self.engine.update_weights(self.model(), version=str(self.step))
-        self.errors: list[str] = []
+
+    def _warn(self, message: str) -> None:
+        """A problem worth a line in the log and on the terminal; the run goes on."""
+        log.warning(message)
+        self.errors.append(message)
 
     # ---------------------------------------------------------------- model views
     def model(self):
@@ -298,12 +313,16 @@ class RLTrainer:
         metrics: dict[str, Any] = {}
         if objective.bypass:
             batch["old_logp"] = batch["rollout_logp"]
+            push_check = None  # measured in the loss, on the first mini-batch
         else:
             batch["old_logp"], entropy = self.scorer(self.state["params"], batch)
             recomputed_entropy = _masked_mean(entropy, batch["mask"])
             pair = (jnp.asarray(batch["old_logp"]), jnp.asarray(batch["rollout_logp"]), jnp.asarray(batch["mask"]))
             metrics.update(mismatch_metrics(*pair))
             metrics.update(_bucketed(mismatch_metrics_by_rollout_prob(*pair)))
+            # Every engine token, masked samples included: the push check needs no reward.
+            gap = np.abs(batch["old_logp"] - batch["rollout_logp"])[generated]
+            push_check = (float(gap.max()) if gap.size else float("nan"), int(gap.size))
         if self.needs_reference:
             batch["ref_logp"] = self.scorer(self.reference, batch)[0]
         timings["recompute"] = time.perf_counter() - t
@@ -339,7 +358,10 @@ class RLTrainer:
         if r.verify_push and r.logprob_kind == LogprobKind.RAW:
             # The logprob spot check of the previous push, on this step's whole batch (only raw
             # logprobs are what the learner recomputes; processed ones differ by design).
-            self.check_push(samples[0][0].weight_version, metrics)
+            if push_check is None:
+                push_check = (float(metrics.get("mismatch_abs_log_ratio_max", np.nan)),
+                              int(metrics.get("mismatch_num_tokens", 0)))
+            self.check_push(samples[0][0].weight_version, *push_check)
         timings["update"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -361,6 +383,7 @@ class RLTrainer:
             **(push_metrics or {}),
             "lr": float(self.schedule(max(step * config.update.mini_batches - 1, 0))),
             "update/skipped_total": self.skipped_updates,
+            **self.guard.metrics(),
             "data/bad_rows": self.data_report.bad_rows,
             **{f"time/{k}": v for k, v in timings.items()},
             "time/step": elapsed,
@@ -386,18 +409,24 @@ class RLTrainer:
             mini = jax.device_put(mini, batch_shardings(mini, self.mesh))
             self.state, metrics = self.train_step(self.state, mini)
             collected.append(jax.device_get(metrics))
+            self.guard.check(step, collected[-1])
         # Mismatch metrics measured in the loss (bypass) are valid on the first mini-batch only,
         # before any update; everything else is averaged over the S mini-batches.
         return {k: float(collected[0][k]) if k.startswith("mismatch_") else float(np.mean([m[k] for m in collected]))
                 for k in collected[0]}
 
-    def check_push(self, version: str, mismatch: dict) -> None:
-        """Verifies a weight push: the engine reports ``version``, and the engine's logprobs of the
-        batch sampled with those weights agree with the learner's recompute (max |dlogp| over the
-        generated tokens within ``rollout.push_tolerance``). Raises PushVerificationError."""
+    def check_push(self, version: str, largest: float, tokens: int) -> None:
+        """Verifies a weight push: the engine's logprobs of the batch sampled with weights ``version``
+        agree with the learner's recompute: ``largest`` (max |dlogp| over ``tokens`` generated
+        tokens) within ``rollout.push_tolerance``. A check of zero tokens or a NaN fails: it
+        proves nothing. Raises PushVerificationError."""
         tolerance = self.config.rollout.push_tolerance
-        largest = float(mismatch.get("mismatch_abs_log_ratio_max", 0.0))
-        if largest > tolerance:
+        if tokens == 0:
+            raise PushVerificationError(
+                f"the push check of weight version {version} compared zero generated tokens, so it proves nothing; "
+                f"the engine returned no tokens (or, with objective.bypass, the first mini-batch has none in the "
+                f"loss); set rollout.verify_push=false to run without the check")
+        if not largest <= tolerance:
             raise PushVerificationError(
                 f"the engine sampled with weight version {version} but its logprobs differ from the learner's "
                 f"by up to {largest:.3g} nats > rollout.push_tolerance={tolerance}; the engine is not running "
@@ -418,7 +447,8 @@ class RLTrainer:
     # ---------------------------------------------------------------- checkpoints
     def _meta(self) -> dict:
         return {"step": self.step, "seed": self.config.seed, "data": self.iterator.state(),
-                "weight_version": str(self.step), "skipped_updates": self.skipped_updates}
+                "weight_version": str(self.step), "skipped_updates": self.skipped_updates,
+                "guard": self.guard.state()}
 
     def save(self) -> None:
         if self.checkpointer is not None:
@@ -434,6 +464,8 @@ class RLTrainer:
                         "at the same initial checkpoint")
         self.step = int(meta["step"])
         self.skipped_updates = int(meta["skipped_updates"])
+        if "guard" in meta:  # absent in checkpoints written before the update guard existed
+            self.guard.restore(meta["guard"])
         self.iterator.restore(meta["data"])
 
     # ---------------------------------------------------------------- run
@@ -443,21 +475,24 @@ class RLTrainer:
                                progress=config.logging.progress, tensorboard=config.logging.tensorboard)
         summary: dict[str, Any] = {}
         try:
-            if self.step == 0 and self.eval_examples:
-                start = self.evaluate()
-                summary["heldout_start"] = start.get("heldout/reward")
-                logger.log(0, start)
-            while self.step < config.steps:
-                metrics = self.train_step_once()
-                final = self.step == config.steps
-                if self.eval_examples and (final or (config.eval.every and self.step % config.eval.every == 0)):
-                    metrics.update(self.evaluate())
-                logger.log(self.step, metrics)
-                for message in self.errors:
-                    logger.write(f"step {self.step}: {message}")
-                self.errors.clear()
-                if self.checkpointer is not None and (final or self.checkpointer.should_save(self.step)):
-                    self.save()
+            with StopSignals() as stop:
+                if self.step == 0 and self.eval_examples:
+                    start = self.evaluate()
+                    summary["heldout_start"] = start.get("heldout/reward")
+                    logger.log(0, start)
+                while self.step < config.steps:
+                    metrics = self.train_step_once()
+                    final = self.step == config.steps
+                    if self.eval_examples and (final or (config.eval.every and self.step % config.eval.every == 0)):
+                        metrics.update(self.evaluate())
+                    logger.log(self.step, metrics)
+                    for message in self.errors:
+                        logger.write(message if message.startswith("step ") else f"step {self.step}: {message}")
+                    self.errors.clear()
+                    saved = self.checkpointer is not None and (final or self.checkpointer.should_save(self.step))
+                    if saved:
+                        self.save()
+                    end_step(stop, self.checkpointer, self.step, self.save, saved)
             if self.checkpointer is not None:
                 self.checkpointer.wait()
             if config.checkpoint.export_hf:
@@ -481,6 +516,7 @@ class RLTrainer:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
+        self.router.close()
         self.engine.close()
         if self.manager is not None:
             self.manager.stop()
@@ -523,6 +559,7 @@ def _reward_metrics(scored) -> dict[str, float]:
         "accuracy": float((scored.scores >= 1.0).mean()),
         "reward/unparsable_fraction": float(scored.unparsable.mean()),
         "reward/raised": float(scored.raised.sum()),
+        "reward/timed_out": float(scored.timed_out.sum()),
     }
     tasks = np.asarray(scored.tasks)
     for task in sorted(set(scored.tasks)):

@@ -10,6 +10,7 @@ nothing. ``sft.stages`` is the length curriculum (Motif: 16K -> 32K -> 64K): sta
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -26,8 +27,12 @@ from jaxrl.models.sharding import batch_shardings
 from jaxrl.trainer.checkpoint import Checkpointer
 from jaxrl.trainer.common import accumulate, build_model, build_optimizer, pack_sequences
 from jaxrl.trainer.config import TrainConfig
+from jaxrl.trainer.guard import UpdateGuard
+from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, clear_previous_run, end_step
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.plots import plot_run
+
+log = logging.getLogger(__name__)
 
 
 def _sft_micro_loss(model, batch, micro_index):
@@ -42,11 +47,13 @@ def _sft_micro_loss(model, batch, micro_index):
 class SFTTrainer:
     """``run()`` trains through every stage of ``config.sft.stages`` and returns a summary."""
 
-    def __init__(self, config: TrainConfig, *, resume: bool = False):
+    def __init__(self, config: TrainConfig, *, resume: bool = False, overwrite: bool = False):
+        """``resume`` and ``overwrite`` as for ``RLTrainer``."""
         if not config.sft.stages:
             raise ValueError("sft.stages is empty; give at least one stage, e.g. [{steps: 100, max_length: 512}]")
         self.config = config
-        os.makedirs(config.output_dir, exist_ok=True)
+        check_fresh_start(config.output_dir, config.checkpoint.directory, resume=resume, overwrite=overwrite)
+        self.warnings: list[str] = []
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.examples, self.data_report = load_examples(
             config.data.train_files, config.data, self.tokenizer, with_response=True)
@@ -59,6 +66,10 @@ class SFTTrainer:
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_steps)
         self.train_step, self.state = make_train_step(
             model, optimizer, accumulate(_sft_micro_loss, config.sft.micro_batches), self.mesh)
+        self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
+        if overwrite and not resume:
+            clear_previous_run(config.output_dir, config.checkpoint.directory)
+        os.makedirs(config.output_dir, exist_ok=True)
         self.checkpointer = Checkpointer(config.checkpoint) if config.checkpoint.directory else None
         self.step = 0
         self._stage_index = -1
@@ -69,8 +80,14 @@ class SFTTrainer:
                                  "the run saved its checkpoints in, e.g. checkpoint.directory=runs/x/checkpoints")
             self.state, meta = self.checkpointer.restore(self.state)
             self.step = int(meta["step"])
+            if "guard" in meta:  # absent in checkpoints written before the update guard existed
+                self.guard.restore(meta["guard"])
             self._enter_stage(int(meta["stage"]))
             self.iterator.restore(meta["data"])
+
+    def _warn(self, message: str) -> None:
+        log.warning(message)
+        self.warnings.append(message)
 
     def _stage_of(self, step: int) -> int:
         """The stage that trains global step ``step`` (1-based)."""
@@ -109,9 +126,10 @@ class SFTTrainer:
         batch = jax.device_put(batch, batch_shardings(batch, self.mesh))
         self.state, metrics = self.train_step(self.state, batch)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self.guard.check(step, metrics)
         self.step = step
         elapsed = time.perf_counter() - t0
-        return {**metrics, "lr": float(self.schedule(step - 1)), "sft/stage": stage_index,
+        return {**metrics, **self.guard.metrics(), "lr": float(self.schedule(step - 1)), "sft/stage": stage_index,
                 "sft/max_length": length + 1, "data/bad_rows": self.data_report.bad_rows,
                 "data/too_long_for_every_stage": self.too_long, "time/step": elapsed,
                 "tokens_per_second": float((batch["segment_ids"] > 0).sum()) / elapsed}
@@ -119,18 +137,28 @@ class SFTTrainer:
     def model(self):
         return nnx.merge(self.train_step.graphdef, self.state["params"])
 
+    def save(self) -> None:
+        self.checkpointer.save(self.step, self.state, {
+            "step": self.step, "stage": self._stage_index, "data": self.iterator.state(),
+            "guard": self.guard.state()})
+
     def run(self) -> dict[str, Any]:
         config = self.config
         logger = MetricsLogger(config.output_dir, self.total_steps, start_step=self.step,
                                progress=config.logging.progress, tensorboard=config.logging.tensorboard)
         try:
-            while self.step < self.total_steps:
-                metrics = self.train_step_once()
-                logger.log(self.step, metrics)
-                final = self.step == self.total_steps
-                if self.checkpointer is not None and (final or self.checkpointer.should_save(self.step)):
-                    self.checkpointer.save(self.step, self.state, {
-                        "step": self.step, "stage": self._stage_index, "data": self.iterator.state()})
+            with StopSignals() as stop:
+                while self.step < self.total_steps:
+                    metrics = self.train_step_once()
+                    logger.log(self.step, metrics)
+                    for message in self.warnings:
+                        logger.write(message)
+                    self.warnings.clear()
+                    final = self.step == self.total_steps
+                    saved = self.checkpointer is not None and (final or self.checkpointer.should_save(self.step))
+                    if saved:
+                        self.save()
+                    end_step(stop, self.checkpointer, self.step, self.save, saved)
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:

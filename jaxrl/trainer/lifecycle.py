@@ -1,0 +1,165 @@
+"""A run's life outside the step itself: claiming its folders, stopping on a signal, saving at the end.
+
+- A fresh start never destroys an earlier run: ``check_fresh_start`` refuses when the output
+  folder holds metrics or the checkpoint folder holds checkpoints, unless the caller resumes
+  or asked to overwrite (``clear_previous_run`` then removes them, after everything else was
+  validated, so a start that fails on a bad value touches no existing file).
+- SIGTERM (preemption) and SIGINT (Ctrl-C) do not kill a step half-way: ``StopSignals`` turns
+  them into a request that the loop honours after the current step, by writing a checkpoint,
+  flushing the metrics and raising ``TrainingInterrupted`` (the CLIs exit ``128 + signal``,
+  the shell's convention for "killed by that signal"). A second Ctrl-C stops at once. With
+  several processes, the request is shared: every process stops after the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxrl.errors import InputError
+
+log = logging.getLogger(__name__)
+
+# What a run writes into its output folder (the metrics logger, plots, batch dumps).
+_RUN_OUTPUTS = ("metrics.jsonl", "tb", "plots", "batches")
+
+
+class RunExistsError(InputError):
+    """A fresh start would overwrite an earlier run's metrics or checkpoints."""
+
+
+class TrainingInterrupted(Exception):
+    """The run stopped on a signal after ``step``, with its state saved (when checkpoints are on)."""
+
+    def __init__(self, signum: int, step: int, checkpoint_directory: str):
+        self.signum, self.step, self.checkpoint_directory = signum, step, checkpoint_directory
+        name = signal.Signals(signum).name
+        where = (f"checkpoint of step {step} saved in {checkpoint_directory}; continue with --resume"
+                 if checkpoint_directory else "checkpoint.directory is empty, so nothing was saved to resume from")
+        super().__init__(f"stopped by {name} after step {step}; {where}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _checkpoint_steps(directory: str) -> list[str]:
+    """Names of the step folders (digits only) in a checkpoint directory, local or remote."""
+    if not directory:
+        return []
+    if "://" in directory:
+        from etils import epath
+
+        path = epath.Path(directory)
+        return sorted(p.name for p in path.iterdir() if p.name.isdigit()) if path.exists() else []
+    if not os.path.isdir(directory):
+        return []
+    return sorted(name for name in os.listdir(directory) if name.isdigit())
+
+
+def previous_run(output_dir: str, checkpoint_directory: str) -> list[str]:
+    """What an earlier run left that a fresh start would overwrite: metrics and checkpoint steps."""
+    found = []
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append(metrics)
+    steps = _checkpoint_steps(checkpoint_directory)
+    if steps:
+        found.append(f"{checkpoint_directory} (checkpoint steps {', '.join(steps)})")
+    return found
+
+
+def check_fresh_start(output_dir: str, checkpoint_directory: str, *, resume: bool, overwrite: bool) -> None:
+    """Refuses (RunExistsError) to start afresh over an earlier run, unless resuming or overwriting."""
+    if resume or overwrite:
+        return
+    found = previous_run(output_dir, checkpoint_directory)
+    if found:
+        raise RunExistsError(
+            f"an earlier run is in the way: {'; '.join(found)}. Continue it with --resume, choose another "
+            f"output_dir / checkpoint.directory, or pass --overwrite to delete it and start afresh")
+
+
+def clear_previous_run(output_dir: str, checkpoint_directory: str) -> None:
+    """Deletes an earlier run's metrics, TensorBoard events, plots, batch dumps and checkpoints."""
+    for name in _RUN_OUTPUTS:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+    if "://" in checkpoint_directory:
+        from etils import epath
+
+        path = epath.Path(checkpoint_directory)
+        if path.exists():
+            path.rmtree()
+    elif checkpoint_directory and os.path.isdir(checkpoint_directory):
+        shutil.rmtree(checkpoint_directory)
+    log.warning("--overwrite: deleted the earlier run in %s%s", output_dir,
+                f" and {checkpoint_directory}" if checkpoint_directory else "")
+
+
+class StopSignals:
+    """Context manager: SIGTERM/SIGINT set a stop request instead of killing the process.
+
+    ``requested()`` is called between steps; it returns the signal number (agreed by every
+    process) or None. Handlers are installed only in the main thread (Python delivers signals
+    there); elsewhere the default behaviour stays. A second SIGINT raises KeyboardInterrupt.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("received %s: finishing the current step, then saving and stopping (Ctrl-C again stops now)",
+                    signal.Signals(signum).name)
+
+    def requested(self) -> int | None:
+        local = self.signum or 0
+        if jax.process_count() > 1:
+            # Each process may see the signal at a different step: stop together, after the same step.
+            from jax.experimental import multihost_utils
+
+            local = int(np.max(multihost_utils.process_allgather(np.int32(local))))
+        return local or None
+
+
+def end_step(stop: StopSignals, checkpointer, step: int, save: Callable[[], None], saved: bool) -> None:
+    """What the loop does after each step is logged (and saved when ``saved``): surface a failed
+    background save at once (CheckpointSaveError), and on a stop request save (unless this step
+    was just saved), wait for the write and raise TrainingInterrupted."""
+    if checkpointer is not None:
+        checkpointer.check_for_errors()
+    signum = stop.requested()
+    if signum is None:
+        return
+    if checkpointer is not None:
+        if not saved:
+            save()
+        checkpointer.wait()
+    raise TrainingInterrupted(signum, step, checkpointer.directory if checkpointer is not None else "")

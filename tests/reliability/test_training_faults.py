@@ -1,0 +1,314 @@
+"""Training must not silently break, and no run may be lost: one test per defect, in process.
+
+Each docstring first states how the defect showed before the fix.
+"""
+import json
+import logging
+import os
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.config import ConfigError, from_dict, load_config
+from jaxrl.trainer.checkpoint import CheckpointSaveError
+from jaxrl.trainer.config import TrainConfig
+from jaxrl.trainer.guard import NonFiniteUpdateError
+from jaxrl.trainer.lifecycle import RunExistsError
+from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
+from jaxrl.trainer.rl import PushVerificationError, RLTrainer
+from jaxrl.trainer.sft import SFTTrainer
+
+
+def _params(trainer):
+    return [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
+
+
+def _trainer(data, **kwargs):
+    return RLTrainer(from_dict(TrainConfig, data), **kwargs)
+
+
+# ------------------------------------------------------------------ configs refused at load
+@pytest.mark.parametrize("override, key", [
+    ("optimizer.lr=.nan", "optimizer.lr"),
+    ("optimizer.lr=nan", "optimizer.lr"),
+    ("objective.eps_high=.inf", "objective.eps_high"),
+    ("advantage.std_max=-.inf", "advantage.std_max"),
+])
+def test_non_finite_numbers_are_refused_at_load(run_config, tmp_path, override, key):
+    """Before: ``optimizer.lr=nan`` was accepted and trained to all-NaN weights with exit status 0."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(run_config(tmp_path / "out")))
+    with pytest.raises(ConfigError, match=f"{key}.*not a finite number"):
+        load_config(TrainConfig, path, [override])
+
+
+@pytest.mark.parametrize("section, values, message", [
+    ("rollout", {"group_size": 1}, r"advantage.estimator='grpo'.*rollout.group_size=1"),
+    ("rollout", {"temperature": -0.5}, r"rollout.temperature must be >= 0"),
+    ("rollout", {"top_p": 0.0}, r"rollout.top_p must be in \(0, 1\]"),
+    ("rollout", {"top_p": 1.5}, r"rollout.top_p must be in \(0, 1\]"),
+    ("rollout", {"top_k": -1}, r"rollout.top_k must be >= 0"),
+    ("rollout", {"max_new_tokens": 0}, r"rollout.max_new_tokens must be >= 1"),
+    ("advantage", {"std_min": 0.0}, r"advantage.std_min \(0.0\) must be > 0"),
+    ("advantage", {"std_min": 2.0, "std_max": 1.0}, r"advantage.std_min \(2.0\) must be > 0 and <= advantage.std_max"),
+    ("update", {"max_consecutive_skips": 0}, r"update.max_consecutive_skips must be >= 1"),
+])
+def test_configs_that_cannot_learn_are_refused_at_load(run_config, tmp_path, section, values, message):
+    """Before: GRPO with group_size=1 trained on all-zero advantages without a word, and a bad
+    temperature/top_p/max_new_tokens/std_min surfaced only after the model loaded and the first
+    rollout ran (or never: std_min=0 divided zero-variance groups by zero)."""
+    with pytest.raises(ConfigError, match=message):
+        from_dict(TrainConfig, run_config(tmp_path, **{section: values}))
+
+
+def test_group_size_one_is_fine_for_a_batch_baseline(run_config, tmp_path):
+    """The group check is specific: reinforce (batch baseline) with one sample per prompt learns."""
+    from_dict(TrainConfig, run_config(tmp_path, rollout={"group_size": 1}, advantage={"estimator": "reinforce"}))
+
+
+# ------------------------------------------------------------------ non-finite updates
+def test_non_finite_update_is_skipped_then_the_run_stops(run_config, tmp_path):
+    """Before: an update that made the parameters non-finite was applied: every later step trained
+    NaN weights and the run ended with exit status 0.
+
+    ``lr = 1e39`` is finite as a config value but overflows float32, so the first update would
+    make every parameter infinite: it is skipped (parameters and optimizer state kept, counted),
+    and ``update.max_consecutive_skips = 2`` skips in a row stop the run with an error naming the key.
+    """
+    trainer = _trainer(run_config(tmp_path, steps=4, optimizer={"lr": 1e39, "clip_norm": 0.0},
+                                  update={"max_consecutive_skips": 2}))
+    try:
+        before = _params(trainer)
+        with pytest.raises(NonFiniteUpdateError, match="update.max_consecutive_skips=2"):
+            trainer.run()
+        for a, b in zip(before, _params(trainer)):
+            np.testing.assert_array_equal(a, b)
+        assert int(trainer.state["step"]) == 0  # no optimizer step was taken
+    finally:
+        trainer.close()
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1]  # step 2 raised before it was logged
+    assert rows[0]["update/nonfinite"] == 1.0 and rows[0]["update/nonfinite_skips"] == 1.0
+
+
+def test_a_destructive_learning_rate_is_warned_about(run_config, tmp_path, caplog):
+    """Before: ``optimizer.lr=1e6`` destroyed the model without a warning."""
+    trainer = _trainer(run_config(tmp_path, steps=1, optimizer={"lr": 1e6}))
+    try:
+        with caplog.at_level(logging.WARNING, logger="jaxrl.trainer.rl"):
+            trainer.run()
+    finally:
+        trainer.close()
+    assert any("as large as the parameters (is optimizer.lr too high?)" in r.getMessage() for r in caplog.records)
+    row = read_jsonl(str(tmp_path / "metrics.jsonl"))[0]
+    assert row["update/spike_warnings"] == 1.0 and row["update/relative_size"] > 1.0
+
+
+def test_a_normal_learning_rate_gives_no_spike_warning(run_config, tmp_path):
+    """The detector is specific: the tiny run at lr=1e-2 trains without a warning."""
+    trainer = _trainer(run_config(tmp_path, steps=2))
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["update/spike_warnings"] for r in rows] == [0.0, 0.0]
+    assert all(r["update/relative_size"] < 1.0 for r in rows)
+
+
+# ------------------------------------------------------------------ the push spot check
+def _corrupt_engine_logprobs(monkeypatch, corrupt):
+    """Makes the embedded sampler's samples go through ``corrupt(sample) -> sample``."""
+    from jaxrl.rollout.sampler import JaxSampler
+
+    generate = JaxSampler.generate
+
+    def patched(self, prompts, params, n=1):
+        return [[corrupt(s) for s in group] for group in generate(self, prompts, params, n=n)]
+
+    monkeypatch.setattr(JaxSampler, "generate", patched)
+
+
+def test_push_check_fails_on_nan_logprobs(run_config, tmp_path, monkeypatch):
+    """Before: an engine reporting NaN logprobs passed the push check (``nan > tolerance`` is False)."""
+    import dataclasses
+
+    _corrupt_engine_logprobs(monkeypatch, lambda s: dataclasses.replace(
+        s, output_logprobs=np.full_like(s.output_logprobs, np.nan)))
+    trainer = _trainer(run_config(tmp_path, steps=1))
+    try:
+        with pytest.raises(PushVerificationError, match="differ from the learner's by up to nan"):
+            trainer.run()
+    finally:
+        trainer.close()
+
+
+def test_push_check_fails_when_it_compares_zero_tokens(run_config, tmp_path, monkeypatch):
+    """Before: a batch with no generated token passed the push check: its max |dlogp| defaulted to 0."""
+    import dataclasses
+
+    _corrupt_engine_logprobs(monkeypatch, lambda s: dataclasses.replace(
+        s, output_ids=s.output_ids[:0], output_logprobs=s.output_logprobs[:0]))
+    trainer = _trainer(run_config(tmp_path, steps=1))
+    try:
+        with pytest.raises(PushVerificationError, match="compared zero generated tokens"):
+            trainer.run()
+    finally:
+        trainer.close()
+
+
+# ------------------------------------------------------------------ never lose a run
+def _snapshot(folder):
+    """{relative path: (size, mtime_ns)} of every file under ``folder``."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            stat = os.stat(path)
+            out[os.path.relpath(path, folder)] = (stat.st_size, stat.st_mtime_ns)
+    return out
+
+
+def test_a_fresh_start_never_destroys_an_earlier_run(run_config, tmp_path):
+    """Before: starting again without --resume in a run's folders truncated its metrics.jsonl and
+    mixed new checkpoints into the old ones.
+
+    A fresh start over an earlier run (RL or SFT) is refused before any file changes; one that
+    fails on a bad value touches nothing; ``overwrite=True`` starts afresh on purpose.
+    """
+    data = run_config(tmp_path / "run", steps=1, checkpoint={"directory": str(tmp_path / "run" / "ck"), "every": 1})
+    trainer = _trainer(data)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    before = _snapshot(tmp_path / "run")
+    assert "metrics.jsonl" in before and any(p.startswith("ck/1/") for p in before)
+
+    with pytest.raises(RunExistsError, match=r"metrics.jsonl.*checkpoint steps 1.*--resume.*--overwrite"):
+        _trainer(data)
+    sft = run_config(tmp_path / "run", steps=1, sft={"batch_size": 4, "stages": [{"steps": 1, "max_length": 16}]},
+                     checkpoint={"directory": str(tmp_path / "run" / "ck")})
+    with pytest.raises(RunExistsError):
+        SFTTrainer(from_dict(TrainConfig, sft))
+    with pytest.raises(Exception, match="tokenizer"):  # a bad value, with overwrite: still nothing touched
+        _trainer(run_config(tmp_path / "run", steps=1, data={"tokenizer": str(tmp_path / "missing")},
+                            checkpoint={"directory": str(tmp_path / "run" / "ck")}), overwrite=True)
+    assert _snapshot(tmp_path / "run") == before
+
+    trainer = _trainer(data, overwrite=True)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1]
+
+
+def test_a_torn_metrics_line_never_blocks_resume(tmp_path, caplog):
+    """Before: a half-written last line of metrics.jsonl (kill or full disk mid-write) made
+    ``--resume`` fail with a JSONDecodeError."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n{"step": 3, "lo')
+    with caplog.at_level(logging.WARNING):
+        logger = MetricsLogger(str(tmp_path), 5, start_step=2, progress=False, tensorboard=False)
+        logger.log(3, {"loss": 0.125})
+        logger.close()
+    assert any("line 3 is not a complete JSON row" in r.getMessage() for r in caplog.records)
+    assert read_jsonl(str(path)) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}, {"step": 3, "loss": 0.125}]
+
+
+def _damage(folder, how):
+    if how == "missing file":
+        victim = max((os.path.join(r, f) for r, _, fs in os.walk(folder / "state") for f in fs), key=os.path.getsize)
+        os.remove(victim)
+    elif how == "truncated file":
+        victim = max((os.path.join(r, f) for r, _, fs in os.walk(folder / "state") for f in fs), key=os.path.getsize)
+        with open(victim, "r+b") as f:
+            f.truncate(7)
+    else:  # bad metadata
+        (folder / "meta" / "metadata").write_text("{not json")
+
+
+@pytest.mark.parametrize("how", ["missing file", "truncated file", "bad metadata"])
+def test_resume_falls_back_from_a_damaged_checkpoint(run_config, tmp_path, caplog, how):
+    """Before: a damaged latest checkpoint made ``--resume`` fail with an Orbax traceback, although
+    an intact older checkpoint was there.
+
+    The damaged step is reported with its path, moved aside, and the run resumes from the newest
+    intact step; its metrics rows after that step are dropped and the run redoes them.
+    """
+    ck = tmp_path / "ck"
+    data = run_config(tmp_path, steps=3, checkpoint={"directory": str(ck), "every": 1, "keep": 3})
+    trainer = _trainer(data)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    _damage(ck / "3", how)
+    with caplog.at_level(logging.WARNING, logger="jaxrl.trainer.checkpoint"):
+        trainer = _trainer(data, resume=True)
+    try:
+        assert trainer.step == 2
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert f"checkpoint {ck / '3'} is damaged" in messages and "resuming from step 2" in messages
+        assert sorted(os.listdir(ck)) == ["1", "2", "3.damaged"]
+        trainer.run()
+    finally:
+        trainer.close()
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3]
+    assert "3" in os.listdir(ck)
+
+
+def _small_tmpfs(path) -> bool:
+    """Mounts a 64 KiB tmpfs at ``path`` (True) where the machine allows it (root, no sandbox)."""
+    os.makedirs(path, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_failed_checkpoint_write_stops_the_run_at_once(run_config, tmp_path, monkeypatch):
+    """Before: an asynchronous save that failed (disk full) surfaced one checkpoint interval later,
+    in a 500-line traceback, after the run had trained on without a checkpoint.
+
+    The checkpoint folder is a 64 KiB tmpfs, too small for one checkpoint of the tiny model
+    (~180 KB with Adam's moments); where mounting is not allowed, Orbax's write raises ENOSPC.
+    The run stops at the step of the failed save (or the next step boundary) with the folder and
+    the cause in one line.
+    """
+    ck = tmp_path / "ck"
+    mounted = _small_tmpfs(ck)
+    if not mounted:
+        import orbax.checkpoint as ocp
+
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(ocp.CheckpointManager, "save", full)
+    try:
+        trainer = _trainer(run_config(tmp_path, steps=5, checkpoint={"directory": str(ck), "every": 2}))
+        try:
+            with pytest.raises(CheckpointSaveError, match=rf"{ck}.*No space left on device") as error:
+                trainer.run()
+        finally:
+            trainer.close()
+        assert "\n" not in str(error.value)
+        steps = [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))]
+        assert steps in ([1, 2], [1, 2, 3])
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(ck)], check=False)
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_train_without_arguments_prints_usage(command, capsys):
+    """Before: ``jaxrl train`` alone said "the following arguments are required: config, overrides",
+    as if overrides were required too."""
+    from jaxrl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: jaxrl {command}" in err and "optional key=value overrides" in err and "--overwrite" in err
