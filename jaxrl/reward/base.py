@@ -172,7 +172,7 @@ class RewardRouter:
         if field is not None:
             value = row.get(field)
             if value is None or (isinstance(value, str) and not value.strip()):
-                state = "has no" if field not in row else ("a null" if value is None else "a blank")
+                state = "no" if field not in row else ("a null" if value is None else "a blank")
                 return "missing_answer", (
                     f"row of task {task!r} has {state} {field!r} field (the reference answer its reward "
                     f"compares against); fields: {sorted(map(str, row))}"
