@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv-sglang: SGLang 0.5.23 on CPU-only PyTorch, in its own venv so it
 # never disturbs the JAX environment (.venv). The recipe and why each step is
-# needed: shared/notes/sglang-cpu.md. Every package is pinned exactly in
+# needed: docs/sglang-cpu.md. Every package is pinned exactly in
 # scripts/sglang_cpu/requirements-cpu.lock and installed without resolution
 # (SGLang's own metadata pins the CUDA torch stack, which must not come in).
 # Idempotent: a stamp of the inputs makes a second run return at once.

@@ -2,7 +2,7 @@
 
 SGLang 0.5.23 imports eight ``sgl_kernel`` names at start-up (two KV-cache helpers
 and six speculative-decoding kernels) but, with the CPU flags in
-shared/notes/sglang-cpu.md, calls none of them. Each is a function here that
+docs/sglang-cpu.md, calls none of them. Each is a function here that
 raises ``NotImplementedError`` naming itself, so a later SGLang that does call
 one fails loudly and says which. Every other name and every submodule stays
 missing (``ImportError``/``AttributeError``): SGLang falls back to pure PyTorch
