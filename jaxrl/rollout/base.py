@@ -30,6 +30,19 @@ class LogprobKind(str, enum.Enum):
     PROCESSED = "processed"
 
 
+def check_sampling_ranges(owner: str, params) -> None:
+    """Raises ValueError naming ``owner.field`` when ``params``' temperature, top_p, top_k or
+    max_new_tokens is out of range (shared by SamplingParams and the trainer's rollout config)."""
+    if not params.temperature >= 0.0:
+        raise ValueError(f"{owner}.temperature must be >= 0 (0 is greedy), got {params.temperature}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"{owner}.top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise ValueError(f"{owner}.top_k must be >= 0 (0 disables it), got {params.top_k}")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"{owner}.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample. ``top_k=0`` and ``top_p=1.0`` disable filtering."""
@@ -43,14 +56,7 @@ class SamplingParams:
     logprob_kind: LogprobKind = LogprobKind.RAW
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_sampling_ranges("SamplingParams", self)
         object.__setattr__(self, "logprob_kind", LogprobKind(self.logprob_kind))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

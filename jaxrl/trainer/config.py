@@ -17,7 +17,7 @@ from jaxrl.losses.objective import ObjectiveConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.sharding import MeshConfig
 from jaxrl.reward import RewardConfig
-from jaxrl.rollout.base import LogprobKind
+from jaxrl.rollout.base import LogprobKind, check_sampling_ranges
 from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig
 from jaxrl.trainer.checkpoint import CheckpointConfig
 
@@ -88,15 +88,8 @@ class RolloutConfig:
                 f"rollout.prompts_per_step ({self.prompts_per_step}) and rollout.group_size "
                 f"({self.group_size}) must be >= 1"
             )
-        # The sampler checks these too, but only after the model loaded and the first rollout began.
-        if not self.temperature >= 0.0:
-            raise ValueError(f"rollout.temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"rollout.top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # SamplingParams checks the same, but only after the model loaded and the first rollout began.
+        check_sampling_ranges("rollout", self)
         if not self.push_tolerance > 0.0:
             raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
 
