@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math as _math
 from typing import Literal
 
 from jaxrl.reward.base import RewardFn, RewardResult, RewardRouter, ScoredBatch
 from jaxrl.reward.format import FormatReward
 from jaxrl.reward.math import MathAnswerReward, answers_match, extract_answer, extract_boxed
-from jaxrl.reward.sandbox import SandboxedRewardRouter, WorkerStartError
+from jaxrl.reward.sandbox import SandboxedRewardRouter, WorkerStartError, check_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +57,7 @@ class RewardConfig:
     timeout_s: float = 10.0
 
     def __post_init__(self):
-        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                or not _math.isfinite(self.timeout_s) or self.timeout_s <= 0):
-            raise ValueError(
-                f"reward.timeout_s={self.timeout_s!r} must be a finite number of seconds > 0 "
-                f"(the limit of one reward-function call)"
-            )
+        check_seconds("reward.timeout_s", self.timeout_s)
         if not self.tasks:
             raise ValueError("reward.tasks is empty; give at least one task, e.g. {math: {kind: math}}")
         if self.default_task is not None and self.default_task not in self.tasks:

@@ -202,6 +202,12 @@ def _kill(proc: subprocess.Popen, conn: Connection) -> None:
     conn.close()
 
 
+def check_seconds(name: str, value) -> None:
+    """Raises ValueError naming ``name`` unless ``value`` is a finite number of seconds > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0")
+
+
 class SandboxedRewardRouter(RewardRouter):
     """A ``RewardRouter`` whose functions run in a worker process, each call under ``timeout_s``.
 
@@ -222,9 +228,8 @@ class SandboxedRewardRouter(RewardRouter):
     ):
         from jaxrl.reward import TaskRewardConfig, build_reward
 
-        for name, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"SandboxedRewardRouter {name} must be a finite number of seconds > 0, got {value!r}")
+        check_seconds("SandboxedRewardRouter timeout_s", timeout_s)
+        check_seconds("SandboxedRewardRouter start_timeout_s", start_timeout_s)
         for name, task in tasks.items():
             if not isinstance(task, TaskRewardConfig):
                 raise TypeError(

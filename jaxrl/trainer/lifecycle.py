@@ -2,8 +2,8 @@
 
 - A fresh start never destroys an earlier run: ``check_fresh_start`` refuses when the output
   folder holds metrics or the checkpoint folder holds checkpoints, unless the caller resumes
-  or asked to overwrite (``clear_previous_run`` then removes them, after everything else was
-  validated, so a start that fails on a bad value touches no existing file).
+  or asked to overwrite (``open_run`` then removes them, once the trainer has loaded
+  everything that can fail on a bad value, so such a start touches no existing file).
 - SIGTERM (preemption) and SIGINT (Ctrl-C) do not kill a step half-way: ``StopSignals`` turns
   them into a request that the loop honours after the current step, by writing a checkpoint,
   flushing the metrics and raising ``TrainingInterrupted`` (the CLIs exit ``128 + signal``,
@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxrl.errors import InputError
+from jaxrl.trainer.checkpoint import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -149,17 +150,35 @@ class StopSignals:
         return local or None
 
 
-def end_step(stop: StopSignals, checkpointer, step: int, save: Callable[[], None], saved: bool) -> None:
-    """What the loop does after each step is logged (and saved when ``saved``): surface a failed
-    background save at once (CheckpointSaveError), and on a stop request save (unless this step
-    was just saved), wait for the write and raise TrainingInterrupted."""
-    if checkpointer is not None:
-        checkpointer.check_for_errors()
+def open_run(config, *, resume: bool, overwrite: bool):
+    """Readies a validated run's folders (the trainer calls it once everything that can fail on a
+    bad value has loaded): clears an earlier run when overwriting, makes ``output_dir``, and
+    returns the run's Checkpointer (None when ``checkpoint.directory`` is empty)."""
+    if overwrite and not resume:
+        clear_previous_run(config.output_dir, config.checkpoint.directory)
+    os.makedirs(config.output_dir, exist_ok=True)
+    return Checkpointer(config.checkpoint) if config.checkpoint.directory else None
+
+
+def end_step(stop: StopSignals, checkpointer: Checkpointer | None, step: int, save: Callable[[], None],
+             final: bool) -> None:
+    """What the loop does after each step is logged: save on the ``checkpoint.every`` schedule and
+    after the ``final`` step, surface a failed background save at once (CheckpointSaveError), and
+    on a stop request save (unless this step was just saved), wait for the write and raise
+    TrainingInterrupted."""
+    if checkpointer is None:
+        signum = stop.requested()
+        if signum is not None:
+            raise TrainingInterrupted(signum, step, "")
+        return
+    saved = final or checkpointer.should_save(step)
+    if saved:
+        save()
+    checkpointer.check_for_errors()
     signum = stop.requested()
     if signum is None:
         return
-    if checkpointer is not None:
-        if not saved:
-            save()
-        checkpointer.wait()
-    raise TrainingInterrupted(signum, step, checkpointer.directory if checkpointer is not None else "")
+    if not saved:
+        save()
+    checkpointer.wait()
+    raise TrainingInterrupted(signum, step, checkpointer.directory)

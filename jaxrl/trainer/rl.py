@@ -43,12 +43,11 @@ from jaxrl.models import make_mesh, make_train_step, save_hf_checkpoint
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.reward import build_router
 from jaxrl.rollout.base import LogprobKind, RolloutEngine, SamplingParams
-from jaxrl.trainer.checkpoint import Checkpointer
 from jaxrl.trainer.common import (LogprobScorer, accumulate, build_model, build_optimizer, join_micro_batches,
                                   pack_sequences, split_micro_batches)
 from jaxrl.trainer.config import AdvantageConfig, TrainConfig
 from jaxrl.trainer.guard import UpdateGuard
-from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, clear_previous_run, end_step
+from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, end_step, open_run
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
 
@@ -244,10 +243,7 @@ class RLTrainer:
         self.step = 0
         self.skipped_updates = 0
         self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
-        if overwrite and not resume:
-            clear_previous_run(config.output_dir, config.checkpoint.directory)
-        os.makedirs(config.output_dir, exist_ok=True)
-        self.checkpointer = Checkpointer(config.checkpoint) if config.checkpoint.directory else None
+        self.checkpointer = open_run(config, resume=resume, overwrite=overwrite)
         if resume:
             self._restore()
         self.manager = None
@@ -489,10 +485,7 @@ class RLTrainer:
                     for message in self.errors:
                         logger.write(message if message.startswith("step ") else f"step {self.step}: {message}")
                     self.errors.clear()
-                    saved = self.checkpointer is not None and (final or self.checkpointer.should_save(self.step))
-                    if saved:
-                        self.save()
-                    end_step(stop, self.checkpointer, self.step, self.save, saved)
+                    end_step(stop, self.checkpointer, self.step, self.save, final)
             if self.checkpointer is not None:
                 self.checkpointer.wait()
             if config.checkpoint.export_hf:

@@ -24,11 +24,10 @@ from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.losses.policy import aggregate_loss
 from jaxrl.models import make_mesh, make_train_step, save_hf_checkpoint
 from jaxrl.models.sharding import batch_shardings
-from jaxrl.trainer.checkpoint import Checkpointer
 from jaxrl.trainer.common import accumulate, build_model, build_optimizer, pack_sequences
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.guard import UpdateGuard
-from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, clear_previous_run, end_step
+from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, end_step, open_run
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.plots import plot_run
 
@@ -67,10 +66,7 @@ class SFTTrainer:
         self.train_step, self.state = make_train_step(
             model, optimizer, accumulate(_sft_micro_loss, config.sft.micro_batches), self.mesh)
         self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
-        if overwrite and not resume:
-            clear_previous_run(config.output_dir, config.checkpoint.directory)
-        os.makedirs(config.output_dir, exist_ok=True)
-        self.checkpointer = Checkpointer(config.checkpoint) if config.checkpoint.directory else None
+        self.checkpointer = open_run(config, resume=resume, overwrite=overwrite)
         self.step = 0
         self._stage_index = -1
         self.iterator: BatchIterator | None = None
@@ -155,10 +151,7 @@ class SFTTrainer:
                         logger.write(message)
                     self.warnings.clear()
                     final = self.step == self.total_steps
-                    saved = self.checkpointer is not None and (final or self.checkpointer.should_save(self.step))
-                    if saved:
-                        self.save()
-                    end_step(stop, self.checkpointer, self.step, self.save, saved)
+                    end_step(stop, self.checkpointer, self.step, self.save, final)
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
