@@ -159,6 +159,31 @@ def test_push_check_fails_when_it_compares_zero_tokens(run_config, tmp_path, mon
         trainer.close()
 
 
+def test_push_check_under_bypass_uses_the_losss_tokens(run_config, tmp_path, monkeypatch):
+    """With ``objective.bypass`` there is no recompute: the check reads the mismatch the loss
+    measured on the first mini-batch. Clean logprobs pass (the tokens it compared are counted);
+    NaN logprobs fail, as without bypass (before, ``nan > tolerance`` was False there too)."""
+    import dataclasses
+
+    data = run_config(tmp_path / "clean", steps=2, objective={"bypass": True})
+    trainer = _trainer(data)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    rows = read_jsonl(str(tmp_path / "clean" / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2] and all(r["mismatch/num_tokens"] > 0 for r in rows)
+
+    _corrupt_engine_logprobs(monkeypatch, lambda s: dataclasses.replace(
+        s, output_logprobs=np.full_like(s.output_logprobs, np.nan)))
+    trainer = _trainer(run_config(tmp_path / "nan", steps=1, objective={"bypass": True}))
+    try:
+        with pytest.raises(PushVerificationError, match="differ from the learner's by up to nan"):
+            trainer.run()
+    finally:
+        trainer.close()
+
+
 # ------------------------------------------------------------------ never lose a run
 def _snapshot(folder):
     """{relative path: (size, mtime_ns)} of every file under ``folder``."""
