@@ -1,4 +1,4 @@
-"""Several JAX processes as one program: start-up, checks, global batches, failures.
+"""Start-up of several JAX processes as one program: settings, cluster detection, checks.
 
 Call :func:`initialize` (or :func:`initialize_from_argv`) first thing in a
 command, before anything creates JAX devices. It reads where the other
@@ -17,25 +17,12 @@ processes are from, in order of precedence:
 With several processes there is one global mesh over every process's
 devices: ``jax.devices()`` lists them all, so the mesh built from a config on
 one host is built from the same config on a pod (:func:`check_mesh` says which
-value to change when it does not fit). Host data reaches a sharded ``jit`` in
-one of two ways (plain numpy inputs are refused there): every process holds
-the same value and places it with ``jax.device_put(x, sharding)`` (the
-trainer does this: every process reads the same global batch), or each process
-holds only its own rows (:func:`process_rows`) and :func:`global_batch`
-assembles them. Results come back with :func:`to_host` (``np.asarray`` fails
-on an array spread over several processes). Host work split over processes
-(SGLang rollouts: each process drives its own servers) takes
-:func:`process_share` of the items, and :func:`allgather_ragged` gives every
-process the whole result in item order. Logs and plots come from process
-0 (:func:`is_main_process`, :func:`main_process_only`); a failure in one
-process stops all of them with that process's error
-(:func:`stop_all_on_failure`).
+value to change when it does not fit).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import errno
 import functools
@@ -45,11 +32,9 @@ import socket
 import sys
 import threading
 import time
-import traceback
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import jax
-import numpy as np
 
 ENV_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -62,13 +47,6 @@ ENV_TIMEOUT = "JAXRL_DISTRIBUTED_TIMEOUT"
 # "none": never detect (explicit settings or one process). Any other value is
 # the name of one of JAX's detection methods, required to succeed.
 CLUSTER_METHODS = ("auto", "none", "slurm", "gcetpu", "gketpu", "ompi", "k8s", "mpi4py")
-
-# Keys in the coordination service's key-value store used to pass a failure.
-_FAILURE_KEY = "jaxrl/failure"
-_FAILURE_ACK_KEY = "jaxrl/failure_ack/{}"
-# How long a failing process waits for the others to read its error before it exits.
-_FAILURE_ACK_TIMEOUT_S = 10.0
-_FAILURE_POLL_S = 0.5  # per process, against the coordinator: keep it light for large pods
 
 
 class CoordinatorUnreachableError(RuntimeError):
@@ -465,236 +443,3 @@ def check_mesh(
             f"devices; with several processes every device must be in the mesh: raise {key}.{largest} so "
             f"that the axes multiply to {available}{fitting_processes}"
         )
-
-
-def process_rows(sharding: jax.sharding.Sharding, global_shape: Sequence[int]) -> np.ndarray:
-    """Indices of the rows (axis 0) of a global array of ``global_shape`` this process must supply.
-
-    Sorted, as :func:`jax.make_array_from_process_local_data` expects the
-    process-local array to hold them. Processes whose devices are replicas
-    along axis 0 get the same rows.
-    """
-    rows: set[int] = set()
-    for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
-        rows.update(range(*index[0].indices(global_shape[0])))
-    return np.array(sorted(rows), dtype=np.int64)
-
-
-def global_batch(shardings: Any, local_batch: Any, global_batch_size: int) -> Any:
-    """Assembles global arrays from each process's rows (a pytree of numpy arrays).
-
-    ``shardings``: one ``jax.sharding.Sharding`` for every leaf, or a matching
-    tree (a prefix). Every leaf has the batch on axis 0; its local rows are the
-    ones :func:`process_rows` names, in that order.
-    """
-    leaves, treedef = jax.tree.flatten(local_batch)
-    sharding_leaves = (
-        [shardings] * len(leaves) if isinstance(shardings, jax.sharding.Sharding)
-        else treedef.flatten_up_to(shardings)
-    )
-    arrays = []
-    for leaf, sharding in zip(leaves, sharding_leaves):
-        leaf = np.asarray(leaf)
-        global_shape = (global_batch_size,) + leaf.shape[1:]
-        expected = len(process_rows(sharding, global_shape))
-        if leaf.shape[0] != expected:
-            raise ValueError(
-                f"process {jax.process_index()} supplied {leaf.shape[0]} rows of a global batch of "
-                f"{global_batch_size}, but its devices hold {expected} rows under {sharding}; feed the rows "
-                f"process_rows() names (global batch size / number of data-parallel processes)"
-            )
-        arrays.append(jax.make_array_from_process_local_data(sharding, leaf, global_shape))
-    return treedef.unflatten(arrays)
-
-
-def to_host(tree: Any) -> Any:
-    """The full value of every array in ``tree`` as numpy, on every process.
-
-    ``np.asarray`` works only on arrays this process holds entirely (or fully
-    replicated ones); a global array sharded over several processes is
-    gathered from all of them (a collective: every process must call this).
-    """
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    def fetch(x):
-        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
-            return np.asarray(x)
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-    return jax.tree.map(fetch, tree)
-
-
-def is_main_process() -> bool:
-    """True on process 0, the one that writes logs, TensorBoard events and plots."""
-    return jax.process_index() == 0
-
-
-def main_process_only(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator: runs ``function`` on process 0 only; elsewhere the call returns None."""
-
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        return function(*args, **kwargs) if is_main_process() else None
-
-    return wrapper
-
-
-def _jax_state():
-    """JAX's distributed state: the coordination client and address live only in this private global."""
-    from jax._src import distributed as jax_distributed  # noqa: PLC0415
-
-    return jax_distributed.global_state
-
-
-def _coordination_client():
-    """The coordination service's client (its key-value store), or None with one process."""
-    return _jax_state().client
-
-
-class _FailureWatch:
-    """Polls the key-value store for another process's failure and exits this one with it."""
-
-    def __init__(self, client, process_index: int, coordinator_address: str | None):
-        self._client = client
-        self._process_index = process_index
-        self._address = coordinator_address
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="jaxrl-failure-watch", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-
-    def _run(self) -> None:
-        unreachable_since = None
-        while not self._stop.wait(_FAILURE_POLL_S):
-            try:
-                message = self._client.key_value_try_get(_FAILURE_KEY)
-            except Exception as error:  # NOT_FOUND until someone fails; other errors: lost the coordinator
-                if str(error).startswith("NOT_FOUND"):
-                    unreachable_since = None
-                    continue
-                unreachable_since = unreachable_since or time.monotonic()
-                if time.monotonic() - unreachable_since > 5.0 and not self._stop.is_set():
-                    self._exit(
-                        f"lost the coordinator at {self._address} (process 0), which most likely failed; "
-                        f"see process 0's log. Last error: {error}"
-                    )
-                continue
-            if self._stop.is_set():
-                return
-            with contextlib.suppress(Exception):
-                self._client.key_value_set(_FAILURE_ACK_KEY.format(self._process_index), "1")
-            self._exit(message)
-
-    def _exit(self, message: str) -> None:
-        print(f"jaxrl.distributed: process {self._process_index} stops because {message}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-@contextlib.contextmanager
-def stop_all_on_failure() -> Iterator[None]:
-    """Makes an exception in one process stop every process, each printing that process's error.
-
-    Without it the others wait in their next collective until the
-    coordinator's heartbeat gives up (minutes), with no word of the cause.
-    The failing process publishes its traceback, waits briefly for the others
-    to read it, prints it and exits with status 1 (``os._exit``: a normal exit
-    would hang in JAX's shutdown barrier, which the others never reach). With
-    one process the exception propagates as usual.
-    """
-    client = _coordination_client()
-    if client is None or jax.process_count() == 1:
-        yield
-        return
-    index, count = jax.process_index(), jax.process_count()
-    watch = _FailureWatch(client, index, _jax_state().coordinator_address)
-    watch.start()
-    try:
-        yield
-    except BaseException as error:
-        if isinstance(error, SystemExit) and error.code in (None, 0):
-            raise
-        watch.stop()
-        details = "".join(traceback.format_exception(error))
-        message = f"process {index} ({socket.gethostname()}) failed:\n{details}"
-        with contextlib.suppress(Exception):  # another process may have failed first
-            client.key_value_set(_FAILURE_KEY, message)
-        deadline = time.monotonic() + _FAILURE_ACK_TIMEOUT_S
-        for other in range(count):
-            remaining_ms = int(1000 * (deadline - time.monotonic()))
-            if other != index and remaining_ms > 0:
-                with contextlib.suppress(Exception):
-                    client.blocking_key_value_get(_FAILURE_ACK_KEY.format(other), remaining_ms)
-        print(f"jaxrl.distributed: {message}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    finally:
-        watch.stop()
-
-
-def process_share(num_items: int, process_index: int | None = None, process_count: int | None = None) -> slice:
-    """The contiguous slice of ``num_items`` items that process ``process_index`` handles.
-
-    Items are split in process order, the first ``num_items % process_count``
-    processes taking one more (as ``np.array_split``), so the slices in process
-    order concatenate to ``range(num_items)``; a process may get none.
-    """
-    index = jax.process_index() if process_index is None else process_index
-    count = jax.process_count() if process_count is None else process_count
-    if not 0 <= index < count:
-        raise ValueError(f"process_share: process_index={index} is outside 0..{count - 1} (process_count={count})")
-    base, extra = divmod(num_items, count)
-    start = index * base + min(index, extra)
-    return slice(start, start + base + (index < extra))
-
-
-def allgather_ragged(arrays: Sequence[np.ndarray], dtype: Any, trailing_shape: Sequence[int] = ()) -> list[np.ndarray]:
-    """Every process's ``arrays`` concatenated in process order, on every process (a collective).
-
-    ``arrays``: this process's arrays of ``dtype``, each ``[length_k, *trailing_shape]``
-    with any ``length_k`` (ragged), any number of them (none too). They travel as
-    bytes padded to the longest process's total, so any dtype comes back bit for
-    bit (``process_allgather`` alone would turn int64/float64 into 32 bits
-    unless x64 is on). With one process the arrays come back as given. Every
-    process must call this with the same ``dtype`` and ``trailing_shape``.
-    """
-    dtype, trailing_shape = np.dtype(dtype), tuple(int(d) for d in trailing_shape)
-    local = [np.asarray(a) for a in arrays]
-    for k, array in enumerate(local):
-        if array.dtype != dtype or array.ndim < 1 or array.shape[1:] != trailing_shape:
-            raise ValueError(
-                f"allgather_ragged: array {k} of process {jax.process_index()} is {array.dtype}{list(array.shape)}; "
-                f"expected {dtype}[length, {', '.join(map(str, trailing_shape))}] like every other array")
-    if jax.process_count() == 1:
-        return local
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    def gather(x: np.ndarray) -> np.ndarray:  # [P, *x.shape]
-        return np.asarray(multihost_utils.process_allgather(x, tiled=False))
-
-    counts = gather(np.asarray([len(local)], np.int32))[:, 0]
-    lengths = np.full(int(counts.max()), -1, np.int32)
-    lengths[:len(local)] = [a.shape[0] for a in local]
-    all_lengths = gather(lengths)
-    row_bytes = dtype.itemsize * math.prod(trailing_shape)
-    payload = b"".join(np.ascontiguousarray(a).tobytes() for a in local)
-    size = int(all_lengths.clip(min=0).sum(axis=1).max()) * row_bytes
-    padded = np.zeros(max(size, 1), np.uint8)
-    padded[:len(payload)] = np.frombuffer(payload, np.uint8)
-    all_bytes = gather(padded)
-    result = []
-    for process, count in enumerate(counts):
-        offset = 0
-        for length in all_lengths[process, :count]:
-            chunk = all_bytes[process, offset:offset + length * row_bytes]
-            result.append(chunk.view(dtype).reshape((int(length), *trailing_shape)).copy())
-            offset += length * row_bytes
-    return result
