@@ -19,11 +19,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxrl.losses.entropy import (
-    token_entropy_from_logits,
-    token_logprobs_and_entropy,
-    token_logprobs_from_logits,
-)
+from jaxrl.losses.entropy import token_entropy_from_logits, token_logprobs_from_logits
+from jaxrl.models.lm_head import token_logprobs_and_entropy
 
 
 def naive(hidden, lm_head, targets):

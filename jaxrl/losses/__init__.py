@@ -1,4 +1,4 @@
-"""Pure-functional RL losses for LLM post-training (SPEC sections 1-5).
+"""Pure-functional RL losses for LLM post-training (docs/losses.md).
 
     from jaxrl import losses
     adv, metrics = losses.grpo_advantages(rewards, group_size=8)
@@ -6,12 +6,15 @@
                                         losses.broadcast_to_tokens(adv, mask), mask,
                                         normalizer=losses.loss_normalizer("token-mean", mask))
 
-Modules: ``advantages`` (SPEC 1), ``policy`` (2), ``kl`` (3), ``entropy`` (4),
-``mismatch`` (5), ``objective`` (all of them from one typed config).
+Modules: ``advantages``, ``policy``, ``kl``, ``entropy``,
+``mismatch`` (docs/losses.md, one section each), ``objective`` (all of them from one typed config). Token
+logprobs and entropy from hidden states come from the model's chunked LM head.
 """
 
-from jaxrl.losses import advantages, entropy, kl, mismatch, objective, policy
+from jaxrl.losses import advantages, corrections, entropy, kl, mismatch, objective, policy
 from jaxrl.losses.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
     broadcast_to_tokens,
     dr_grpo_advantages,
     gae_advantages,
@@ -19,6 +22,7 @@ from jaxrl.losses.advantages import (
     reinforce_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
+    sequence_advantages,
 )
 from jaxrl.losses.entropy import (
     EntropyLawFit,
@@ -30,7 +34,6 @@ from jaxrl.losses.entropy import (
     kl_cov_penalty,
     kl_cov_select,
     token_entropy_from_logits,
-    token_logprobs_and_entropy,
     token_logprobs_from_logits,
 )
 from jaxrl.losses.kl import (
@@ -43,20 +46,16 @@ from jaxrl.losses.kl import (
     kl_k3,
     kl_off_policy_token_loss,
 )
+from jaxrl.losses.corrections import geo_rs, sequence_mis, sequence_tis, token_mis, token_tis
 from jaxrl.losses.mismatch import (
     DEFAULT_PROB_EDGES,
     batch_filter,
-    geo_rs,
     mismatch_metrics,
     mismatch_metrics_by_rollout_prob,
     mismatch_metrics_by_turn,
-    sequence_mis,
-    sequence_tis,
-    token_mis,
 )
 from jaxrl.losses.mismatch import sequence_log_ratio as mismatch_sequence_log_ratio
 from jaxrl.losses.mismatch import token_log_ratio as mismatch_token_log_ratio
-from jaxrl.losses.mismatch import token_tis
 from jaxrl.losses.objective import ObjectiveConfig, entropy_control_selection, rl_objective
 from jaxrl.losses.policy import (
     AGGREGATION_MODES,
@@ -69,3 +68,17 @@ from jaxrl.losses.policy import (
     policy_token_loss,
     ppo_clip_token_loss,
 )
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "AdvantageConfig", "DEFAULT_PROB_EDGES", "EntropyLawFit",
+    "KL_REGULARIZERS", "ObjectiveConfig", "POLICY_LOSSES", "advantages", "aggregate_loss", "batch_filter",
+    "broadcast_to_tokens", "centered_cov", "clip_cov_mask", "corrections", "dr_grpo_advantages", "entropy", "entropy_bonus",
+    "entropy_control_selection", "fit_entropy_law", "gae_advantages", "geo_rs", "grpo_advantages", "gspo_log_ratio",
+    "gspo_token_loss", "kl", "kl_as_loss", "kl_coefficient", "kl_cov_gap_penalty", "kl_cov_penalty", "kl_cov_select",
+    "kl_in_reward", "kl_k1", "kl_k2", "kl_k3", "kl_off_policy_token_loss", "loss_normalizer", "masked_log_ratio",
+    "mismatch", "mismatch_metrics", "mismatch_metrics_by_rollout_prob", "mismatch_metrics_by_turn",
+    "mismatch_sequence_log_ratio", "mismatch_token_log_ratio", "objective", "policy", "policy_token_loss",
+    "ppo_clip_token_loss", "reinforce_advantages", "reinforce_pp_baseline_advantages", "rl_objective",
+    "rloo_advantages", "sequence_advantages", "sequence_mis", "sequence_tis", "token_entropy_from_logits",
+    "token_logprobs_from_logits", "token_mis", "token_tis",
+]

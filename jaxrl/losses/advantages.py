@@ -1,4 +1,4 @@
-"""Advantage estimators (SPEC section 1).
+"""Advantage estimators (docs/losses.md#advantage-estimators).
 
 Group estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline) accept the groups
 in one of three layouts, and return advantages in the layout they were given:
@@ -10,18 +10,30 @@ in one of three layouts, and return advantages in the layout they were given:
   ``[0, num_groups)`` and a static ``num_groups``: arbitrary order and group
   sizes (computed with segment sums, so it works under ``jit``).
 
+The sequence-level estimators take an optional ``mask`` of the shape of
+``rewards``: samples with mask 0 (e.g. unparsable responses) enter no
+statistic, neither their group's baseline nor a batch mean or std, and get
+advantage 0; every statistic below runs over the samples with mask 1.
+
 Each returns ``(advantages, metrics)``; ``metrics["zero_variance_groups"]``
-counts non-empty groups whose rewards are all equal (they get zero advantage
-and waste rollout compute: Motif "difficulty alignment").
+counts groups with at least one (unmasked) sample whose rewards are all equal
+(they get zero advantage and waste rollout compute: Motif "difficulty
+alignment").
 Everything is computed in float32.
+
+:data:`ADVANTAGE_ESTIMATORS` names the sequence-level estimators;
+:class:`AdvantageConfig` picks one and :func:`sequence_advantages` applies it to
+a rollout batch of prompt groups.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl.losses import _validate
 
@@ -37,15 +49,26 @@ class _Groups(NamedTuple):
 
     rewards: Array  # [B] float32
     ids: Array  # [B] int32
+    live: Array  # [B] bool, the samples that enter the statistics
     num_groups: int
     shape: tuple[int, ...]  # the caller's layout, restored on output
 
 
-def _as_groups(rewards, group_size, group_ids, num_groups) -> _Groups:
+def _live(rewards, mask) -> Array:
+    """The mask flattened to ``[B]`` bool (all True when None), checked against ``rewards``."""
+    if mask is None:
+        return jnp.ones(jnp.size(rewards), bool)
+    _validate.check_mask("mask", mask)
+    _validate.check_same_shape(rewards=rewards, mask=mask)
+    return jnp.asarray(mask).astype(bool).reshape(-1)
+
+
+def _as_groups(rewards, group_size, group_ids, num_groups, mask) -> _Groups:
     _validate.check_floating("rewards", rewards)
     _validate.check_rank("rewards", rewards, (1, 2))
     rewards = jnp.asarray(rewards)
     shape = tuple(rewards.shape)
+    live = _live(rewards, mask)
     if rewards.ndim == 2:
         if group_size is not None or group_ids is not None:
             raise ValueError(
@@ -55,7 +78,7 @@ def _as_groups(rewards, group_size, group_ids, num_groups) -> _Groups:
             )
         n, g = shape
         ids = jnp.repeat(jnp.arange(n, dtype=jnp.int32), g)
-        return _Groups(rewards.reshape(-1).astype(jnp.float32), ids, n, shape)
+        return _Groups(rewards.reshape(-1).astype(jnp.float32), ids, live, n, shape)
     if (group_size is None) == (group_ids is None):
         raise ValueError(
             f"rewards has shape {shape} (flat layout): pass exactly one of group_size "
@@ -66,7 +89,7 @@ def _as_groups(rewards, group_size, group_ids, num_groups) -> _Groups:
         _validate.check_divides("group_size", group_size, shape[0], "number of rewards")
         n = shape[0] // group_size
         ids = jnp.repeat(jnp.arange(n, dtype=jnp.int32), group_size)
-        return _Groups(rewards.astype(jnp.float32), ids, n, shape)
+        return _Groups(rewards.astype(jnp.float32), ids, live, n, shape)
     _validate.check_integer("group_ids", group_ids)
     _validate.check_same_shape(rewards=rewards, group_ids=group_ids)
     if not isinstance(num_groups, int) or num_groups <= 0:
@@ -74,23 +97,30 @@ def _as_groups(rewards, group_size, group_ids, num_groups) -> _Groups:
             f"num_groups={num_groups!r}: with group_ids pass the number of groups as a "
             f"positive Python int (a static size, needed under jit)"
         )
-    return _Groups(rewards.astype(jnp.float32), jnp.asarray(group_ids, jnp.int32), num_groups, shape)
+    return _Groups(rewards.astype(jnp.float32), jnp.asarray(group_ids, jnp.int32), live, num_groups, shape)
 
 
 def _group_stats(groups: _Groups, ddof: int):
-    """Per-element group count, mean and std, and the zero-variance group count."""
-    ids, n = groups.ids, groups.num_groups
+    """Per-element group count, mean and std over the live samples, and the zero-variance group count."""
+    ids, n, live = groups.ids, groups.num_groups, groups.live
     r = groups.rewards
-    count = jax.ops.segment_sum(jnp.ones_like(r), ids, n)
-    mean = jax.ops.segment_sum(r, ids, n) / jnp.maximum(count, 1.0)
+    count = jax.ops.segment_sum(live.astype(jnp.float32), ids, n)
+    mean = jax.ops.segment_sum(jnp.where(live, r, 0.0), ids, n) / jnp.maximum(count, 1.0)
     centred = r - mean[ids]
-    sq = jax.ops.segment_sum(centred**2, ids, n)
+    sq = jax.ops.segment_sum(jnp.where(live, centred**2, 0.0), ids, n)
     # A group of size <= ddof has no std estimate: call it 0 (then std_min applies).
     var = jnp.where(count > ddof, sq / jnp.maximum(count - ddof, 1.0), 0.0)
     std = jnp.sqrt(var)
-    spread = jax.ops.segment_max(r, ids, n) - jax.ops.segment_min(r, ids, n)
+    spread = (jax.ops.segment_max(jnp.where(live, r, -jnp.inf), ids, n)
+              - jax.ops.segment_min(jnp.where(live, r, jnp.inf), ids, n))
     zero_variance = jnp.sum((count > 0) & (spread == 0)).astype(jnp.int32)
     return count[ids], mean[ids], std[ids], zero_variance
+
+
+def _output(groups: _Groups, adv: Array, zero_variance: Array) -> tuple[Array, dict[str, Array]]:
+    """Advantages in the caller's layout, 0 where masked, and the metrics."""
+    adv = jnp.where(groups.live, adv, 0.0)
+    return adv.reshape(groups.shape), {"zero_variance_groups": zero_variance}
 
 
 def _clip_std(std: Array, std_min: float, std_max: float) -> Array:
@@ -109,15 +139,18 @@ def grpo_advantages(
     group_size: int | None = None,
     group_ids: Array | None = None,
     num_groups: int | None = None,
+    mask: Array | None = None,
     std_min: float = DEFAULT_STD_MIN,
     std_max: float = float("inf"),
     ddof: int = 1,
 ) -> tuple[Array, dict[str, Array]]:
-    """GRPO: ``A = (r - mean_g r) / clip(std_g r, std_min, std_max)`` (SPEC 1, Rethinking-KL appendix J).
+    """GRPO: ``A = (r - mean_g r) / clip(std_g r, std_min, std_max)`` (docs/losses.md#grpo-and-the-std-clip, Rethinking-KL appendix J).
 
     Args:
       rewards: float ``[num_groups, G]``, or ``[B]`` with ``group_size`` or
         ``group_ids``/``num_groups`` (see module docstring).
+      mask: optional bool/0-1 of the shape of ``rewards``; the group statistics
+        run over the samples with mask 1, the others get 0.
       std_min, std_max: the std clip; ``std_min > 0`` is required (appendix J:
         with r = [0.99999, 1.00001, 0.99999, 1.00001] plain normalisation gives
         +-0.866, std_min = 0.1 keeps the advantages ~+-1e-4).
@@ -127,10 +160,9 @@ def grpo_advantages(
       ``{"zero_variance_groups": int32 scalar}``.
     """
     _check_std_args(std_min, std_max, ddof)
-    groups = _as_groups(rewards, group_size, group_ids, num_groups)
+    groups = _as_groups(rewards, group_size, group_ids, num_groups, mask)
     _, mean, std, zero_variance = _group_stats(groups, ddof)
-    adv = (groups.rewards - mean) / _clip_std(std, std_min, std_max)
-    return adv.reshape(groups.shape), {"zero_variance_groups": zero_variance}
+    return _output(groups, (groups.rewards - mean) / _clip_std(std, std_min, std_max), zero_variance)
 
 
 def dr_grpo_advantages(
@@ -139,15 +171,15 @@ def dr_grpo_advantages(
     group_size: int | None = None,
     group_ids: Array | None = None,
     num_groups: int | None = None,
+    mask: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Dr.GRPO: ``A = r - mean_g r`` (SPEC 1), no std division.
+    """Dr.GRPO: ``A = r - mean_g r`` (docs/losses.md#dr-grpo), no std division.
 
-    Shapes as :func:`grpo_advantages`.
+    Shapes and ``mask`` as :func:`grpo_advantages`.
     """
-    groups = _as_groups(rewards, group_size, group_ids, num_groups)
+    groups = _as_groups(rewards, group_size, group_ids, num_groups, mask)
     _, mean, _, zero_variance = _group_stats(groups, ddof=0)
-    adv = groups.rewards - mean
-    return adv.reshape(groups.shape), {"zero_variance_groups": zero_variance}
+    return _output(groups, groups.rewards - mean, zero_variance)
 
 
 def rloo_advantages(
@@ -156,32 +188,36 @@ def rloo_advantages(
     group_size: int | None = None,
     group_ids: Array | None = None,
     num_groups: int | None = None,
+    mask: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """RLOO: ``A_i = r_i - mean_{j != i} r_j`` (SPEC 1).
+    """RLOO: ``A_i = r_i - mean_{j != i} r_j`` (docs/losses.md#rloo).
 
-    Shapes as :func:`grpo_advantages`. A group of one response has no
-    leave-one-out baseline and gets advantage 0.
+    Shapes and ``mask`` as :func:`grpo_advantages` (``j`` runs over the group's
+    samples with mask 1). A group of one response has no leave-one-out
+    baseline and gets advantage 0.
     """
-    groups = _as_groups(rewards, group_size, group_ids, num_groups)
+    groups = _as_groups(rewards, group_size, group_ids, num_groups, mask)
     count, mean, _, zero_variance = _group_stats(groups, ddof=0)
     # r_i - (sum - r_i)/(G-1) = G/(G-1) * (r_i - mean)
     scale = jnp.where(count > 1, count / jnp.maximum(count - 1.0, 1.0), 0.0)
-    adv = scale * (groups.rewards - mean)
-    return adv.reshape(groups.shape), {"zero_variance_groups": zero_variance}
+    return _output(groups, scale * (groups.rewards - mean), zero_variance)
 
 
 def reinforce_advantages(
     rewards: Array,
     *,
+    mask: Array | None = None,
     std_min: float = 1e-6,
     std_max: float = float("inf"),
     ddof: int = 0,
 ) -> tuple[Array, dict[str, Array]]:
-    """REINFORCE / REINFORCE++: batch normalisation ``A = (r - mean_B r) / clip(std_B r)`` (SPEC 1).
+    """REINFORCE / REINFORCE++: batch normalisation ``A = (r - mean_B r) / clip(std_B r)`` (docs/losses.md#batch-normalised-estimators).
 
     Args:
       rewards: float, any shape (every element is one sample of the batch);
         normalise over the full batch, not a micro-batch.
+      mask: optional bool/0-1 of the shape of ``rewards``; ``mean_B`` and
+        ``std_B`` run over the samples with mask 1, the others get 0.
       std_min, std_max, ddof: std clip and estimator, as in GRPO (the default
         floor is tiny: a batch std rarely collapses).
     Returns:
@@ -191,10 +227,9 @@ def reinforce_advantages(
     _check_std_args(std_min, std_max, ddof)
     _validate.check_floating("rewards", rewards)
     flat = jnp.asarray(rewards, jnp.float32).reshape(-1)
-    groups = _Groups(flat, jnp.zeros(flat.shape, jnp.int32), 1, tuple(jnp.shape(rewards)))
+    groups = _Groups(flat, jnp.zeros(flat.shape, jnp.int32), _live(rewards, mask), 1, tuple(jnp.shape(rewards)))
     _, mean, std, zero_variance = _group_stats(groups, ddof)
-    adv = (flat - mean) / _clip_std(std, std_min, std_max)
-    return adv.reshape(groups.shape), {"zero_variance_groups": zero_variance}
+    return _output(groups, (flat - mean) / _clip_std(std, std_min, std_max), zero_variance)
 
 
 def reinforce_pp_baseline_advantages(
@@ -203,24 +238,25 @@ def reinforce_pp_baseline_advantages(
     group_size: int | None = None,
     group_ids: Array | None = None,
     num_groups: int | None = None,
+    mask: Array | None = None,
     std_min: float = 1e-6,
     std_max: float = float("inf"),
     ddof: int = 0,
 ) -> tuple[Array, dict[str, Array]]:
-    """REINFORCE++-baseline: ``A = batchnorm(r - mean_g r)`` (SPEC 1): group baseline, then batch normalisation.
+    """REINFORCE++-baseline: ``A = batchnorm(r - mean_g r)`` (docs/losses.md#batch-normalised-estimators): group baseline, then batch normalisation.
 
-    Shapes as :func:`grpo_advantages`; the batch statistics run over every
-    element given, so pass the full batch. ``zero_variance_groups`` counts the
-    groups, whose centred rewards are then all zero.
+    Shapes and ``mask`` as :func:`grpo_advantages`; the group means and the
+    batch statistics run over every element given with mask 1, so pass the
+    full batch. ``zero_variance_groups`` counts the groups, whose centred
+    rewards are then all zero.
     """
     _check_std_args(std_min, std_max, ddof)
-    groups = _as_groups(rewards, group_size, group_ids, num_groups)
+    groups = _as_groups(rewards, group_size, group_ids, num_groups, mask)
     _, mean, _, zero_variance = _group_stats(groups, ddof=0)
     centred = groups.rewards - mean
     batch = groups._replace(rewards=centred, ids=jnp.zeros_like(groups.ids), num_groups=1)
     _, batch_mean, batch_std, _ = _group_stats(batch, ddof)
-    adv = (centred - batch_mean) / _clip_std(batch_std, std_min, std_max)
-    return adv.reshape(groups.shape), {"zero_variance_groups": zero_variance}
+    return _output(groups, (centred - batch_mean) / _clip_std(batch_std, std_min, std_max), zero_variance)
 
 
 def gae_advantages(
@@ -231,7 +267,7 @@ def gae_advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
 ) -> tuple[Array, Array]:
-    """GAE: ``A_t = sum_l (gamma*lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t+1} - V_t`` (SPEC 1, PPO with a critic).
+    """GAE: ``A_t = sum_l (gamma*lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t+1} - V_t`` (docs/losses.md#gae-with-a-critic, PPO with a critic).
 
     Masked-out positions (prompt, padding, tool/environment tokens) are skipped:
     the "next" step of a generated token is the next generated token of the same
@@ -275,7 +311,7 @@ def gae_advantages(
 
 
 def broadcast_to_tokens(sequence_values: Array, mask: Array) -> Array:
-    """``A_{b,t} = A_b * mask_{b,t}``: sequence advantages to tokens (SPEC 1).
+    """``A_{b,t} = A_b * mask_{b,t}``: sequence advantages to tokens (docs/losses.md#advantage-estimators).
 
     Args:
       sequence_values: float ``[B]``.
@@ -293,3 +329,64 @@ def broadcast_to_tokens(sequence_values: Array, mask: Array) -> Array:
             f"{jnp.shape(mask)[0]} rows; expected one value per sequence"
         )
     return jnp.asarray(sequence_values, jnp.float32)[:, None] * jnp.asarray(mask, jnp.float32)
+
+
+# Sequence-level estimator name -> estimator: the one declaration of ``AdvantageConfig.estimator``'s choices.
+ADVANTAGE_ESTIMATORS = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce": reinforce_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+}
+# Estimators whose baseline is a statistic of the prompt's group of samples (they take group_size).
+GROUPED_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+# Estimators that normalise by a group std take the config's std clip options.
+_STD_OPTIONS = {"grpo": ("std_min", "std_max", "ddof")}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """estimator: one of the loss library's advantage estimators (docs/losses.md#advantage-estimators); std clip for GRPO."""
+
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline"] = "grpo"
+    std_min: float = 0.1
+    std_max: float = 1e6
+    ddof: Literal[0, 1] = 1
+
+    # Estimators whose baseline is a statistic of the prompt's group of samples.
+    GROUPED = GROUPED_ESTIMATORS
+
+    def __post_init__(self):
+        _validate.check_choice("advantage.estimator", self.estimator, ADVANTAGE_ESTIMATORS)
+        if not 0.0 < self.std_min <= self.std_max:
+            raise ValueError(
+                f"advantage.std_min ({self.std_min}) must be > 0 and <= advantage.std_max ({self.std_max}); "
+                f"a zero floor divides a zero-variance group by zero")
+
+
+def sequence_advantages(config: AdvantageConfig, scores: np.ndarray, valid: np.ndarray,
+                        group_size: int) -> tuple[np.ndarray, dict]:
+    """[N] float32 advantages for N = prompts * G samples in prompt-major order (docs/losses.md#advantage-estimators).
+
+    Samples with ``valid == False`` (unparsable, masked) enter no statistic (their
+    group's baseline, the batch mean and std of "reinforce" and
+    "reinforce_pp_baseline") and get advantage 0. The metric
+    ``advantage/zero_variance_group_fraction`` is the fraction of prompt groups whose
+    valid samples all have the same score (for every estimator).
+    """
+    n = len(scores)
+    num_prompts = n // group_size
+    options = {k: getattr(config, k) for k in _STD_OPTIONS.get(config.estimator, ())}
+    if config.estimator in GROUPED_ESTIMATORS:
+        options["group_size"] = group_size
+    adv, _ = ADVANTAGE_ESTIMATORS[config.estimator](
+        jnp.asarray(scores, jnp.float32), mask=jnp.asarray(valid, bool), **options)
+    # The estimator's own zero-variance count is of the whole batch for "reinforce": the
+    # fraction below counts prompt groups, valid samples only, whatever the estimator.
+    valid_groups = [valid[i * group_size:(i + 1) * group_size] for i in range(num_prompts)]
+    zero = sum(
+        1 for i, v in enumerate(valid_groups)
+        if v.any() and np.ptp(scores[i * group_size:(i + 1) * group_size][v]) == 0
+    )
+    return np.asarray(adv, np.float32), {"advantage/zero_variance_group_fraction": zero / max(num_prompts, 1)}

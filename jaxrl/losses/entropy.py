@@ -1,22 +1,15 @@
-"""Token logprobs and entropy, entropy bonus, Clip-Cov / KL-Cov, entropy law (SPEC section 4).
+"""Token logprobs and entropy from logits, entropy bonus, Clip-Cov / KL-Cov, entropy law (docs/losses.md#entropy-and-its-control).
 
-Shapes: ``B`` sequences of ``T`` positions, hidden size ``D``, vocabulary ``V``.
-Every statistic is computed in float32 whatever the input dtype.
-
-The LM head is the largest activation in RL post-training: ``[B, T, V]``
-float32 logits for ``T = 8192`` and ``V = 151,936`` are 5 GB per sequence, and
-autodiff keeps several of them alive. :func:`token_logprobs_and_entropy`
-computes the two per-token statistics the losses need straight from the hidden
-states and the LM-head weight, one ``[chunk_size, vocab_chunk_size]`` tile at a
-time, and recomputes each tile in the backward pass (the Liger idea used by
-Motif), so no ``[B, T, V]`` array is ever held.
+Shapes: ``B`` sequences of ``T`` positions, vocabulary ``V``.
+Every statistic is computed in float32 whatever the input dtype. The model's
+chunked LM head computes the same token statistics from hidden states without
+ever holding ``[B, T, V]`` logits; the functions here take logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fractions
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +28,6 @@ from jaxrl.losses._validate import (
 __all__ = [
     "token_logprobs_from_logits",
     "token_entropy_from_logits",
-    "token_logprobs_and_entropy",
     "entropy_bonus",
     "centered_cov",
     "clip_cov_mask",
@@ -53,7 +45,7 @@ __all__ = [
 def token_logprobs_from_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Log-probability of each target token, in float32.
 
-    ``logp[...] = logits[..., y] - logsumexp(logits[...])`` (SPEC section 4).
+    ``logp[...] = logits[..., y] - logsumexp(logits[...])`` (docs/losses.md#chunked-logprobs-and-entropy).
 
     Args:
       logits: ``[..., V]`` any float dtype.
@@ -75,7 +67,7 @@ def token_logprobs_from_logits(logits: jax.Array, targets: jax.Array) -> jax.Arr
 def token_entropy_from_logits(logits: jax.Array) -> jax.Array:
     """Entropy of the next-token distribution, in float32.
 
-    ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` (SPEC section 4).
+    ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` (docs/losses.md#chunked-logprobs-and-entropy).
 
     Args:
       logits: ``[..., V]`` any float dtype.
@@ -86,212 +78,6 @@ def token_entropy_from_logits(logits: jax.Array) -> jax.Array:
     z = logits.astype(jnp.float32)
     log_probs = jax.nn.log_softmax(z, axis=-1)
     return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-
-
-# --------------------------------------------------------------------------- #
-# From hidden states and the LM-head weight, in tiles
-# --------------------------------------------------------------------------- #
-def _vocab_tile(lm_head, bias, tile_index, vocab_chunk):
-    """Columns of tile ``tile_index``: (first column, weight [D, vc], bias [vc] f32 or None, col ids, valid).
-
-    The last tile is clamped to end at ``V`` instead of padding the weight (a
-    padded copy of a 150k-column head would cost as much as the head); its
-    columns that the previous tile already covered are marked invalid.
-    """
-    vocab = lm_head.shape[1]
-    start = jnp.minimum(tile_index * vocab_chunk, vocab - vocab_chunk)
-    weight = jax.lax.dynamic_slice_in_dim(lm_head, start, vocab_chunk, axis=1)
-    tile_bias = None
-    if bias is not None:
-        tile_bias = jax.lax.dynamic_slice_in_dim(bias, start, vocab_chunk).astype(jnp.float32)
-    cols = start + jnp.arange(vocab_chunk)
-    valid = cols >= tile_index * vocab_chunk
-    return start, weight, tile_bias, cols, valid
-
-
-def _tile_logits(h, weight, tile_bias):
-    """[c, D] x [D, vc] -> [c, vc] float32 logits (inputs in their dtype, f32 accumulation)."""
-    z = jax.lax.dot_general(h, weight, (((1,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return z if tile_bias is None else z + tile_bias
-
-
-def _head_forward(hidden, lm_head, bias, targets, vocab_chunk):
-    """Online logsumexp over vocab tiles. Returns (logp, entropy, lse), each [nc, c] f32.
-
-    Per token it keeps the running max ``m``, ``s = sum exp(z - m)``,
-    ``t = sum exp(z - m) (z - m)`` and the target logit; then
-    ``lse = m + log s`` and ``H = log s - t / s`` (no cancellation of two large
-    numbers, unlike ``lse - E[z]``).
-    """
-    num_chunks, chunk = targets.shape
-    num_tiles = -(-lm_head.shape[1] // vocab_chunk)
-    f32 = jnp.float32
-
-    def vocab_step(j, carry):
-        m, s, t, z_target = carry
-        _, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk)
-
-        def token_step(i, inner):
-            m, s, t, z_target = inner
-            z = _tile_logits(hidden[i], weight, tile_bias)
-            z = jnp.where(valid, z, -jnp.inf)
-            m_old = m[i]
-            m_new = jnp.maximum(m_old, jnp.max(z, axis=-1))
-            # Rescale the old sums to the new max; before the first tile s = 0.
-            shift = jnp.where(s[i] > 0, m_old - m_new, 0.0)
-            scale = jnp.exp(shift)
-            e = jnp.exp(z - m_new[:, None])
-            z_centered = jnp.where(valid, z - m_new[:, None], 0.0)
-            s_new = s[i] * scale + jnp.sum(e, axis=-1)
-            t_new = scale * (t[i] + shift * s[i]) + jnp.sum(e * z_centered, axis=-1)
-            hit = valid & (cols == targets[i][:, None])
-            zt_new = z_target[i] + jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
-            return m.at[i].set(m_new), s.at[i].set(s_new), t.at[i].set(t_new), z_target.at[i].set(zt_new)
-
-        return jax.lax.fori_loop(0, num_chunks, token_step, carry)
-
-    init = (jnp.full((num_chunks, chunk), -jnp.inf, f32), jnp.zeros((num_chunks, chunk), f32),
-            jnp.zeros((num_chunks, chunk), f32), jnp.zeros((num_chunks, chunk), f32))
-    m, s, t, z_target = jax.lax.fori_loop(0, num_tiles, vocab_step, init)
-    log_s = jnp.log(s)
-    lse = m + log_s
-    return z_target - lse, log_s - t / s, lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunked_head(hidden, lm_head, bias, targets, vocab_chunk):
-    logp, entropy, _ = _head_forward(hidden, lm_head, bias, targets, vocab_chunk)
-    return logp, entropy
-
-
-def _chunked_head_fwd(hidden, lm_head, bias, targets, vocab_chunk):
-    logp, entropy, lse = _head_forward(hidden, lm_head, bias, targets, vocab_chunk)
-    return (logp, entropy), (hidden, lm_head, bias, targets, lse, entropy)
-
-
-def _chunked_head_bwd(vocab_chunk, residuals, cotangents):
-    """Recomputes each tile's logits; d logp/dz = onehot - p, dH/dz = -p (log p + H).
-
-    Vocab tiles outside, token chunks inside: the weight gradient of a tile is
-    accumulated in float32 over all tokens and written once in the weight's
-    dtype; the hidden gradient [N, D] is accumulated in float32.
-    """
-    hidden, lm_head, bias, targets, lse, entropy = residuals
-    g_logp, g_entropy = cotangents
-    num_chunks = targets.shape[0]
-    num_tiles = -(-lm_head.shape[1] // vocab_chunk)
-    f32 = jnp.float32
-
-    def vocab_step(j, carry):
-        d_hidden, d_head, d_bias = carry
-        start, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk)
-        weight_f32 = weight.astype(f32)
-
-        def token_step(i, inner):
-            d_hidden, d_weight, d_tile_bias = inner
-            z = _tile_logits(hidden[i], weight, tile_bias)
-            log_p = z - lse[i][:, None]
-            p = jnp.where(valid, jnp.exp(log_p), 0.0)
-            onehot = (valid & (cols == targets[i][:, None])).astype(f32)
-            dz = (g_logp[i][:, None] * (onehot - p)
-                  - g_entropy[i][:, None] * p * (log_p + entropy[i][:, None]))
-            dz = jnp.where(valid, dz, 0.0)
-            d_hidden = d_hidden.at[i].add(dz @ weight_f32.T)
-            d_weight = d_weight + hidden[i].astype(f32).T @ dz
-            return d_hidden, d_weight, d_tile_bias + jnp.sum(dz, axis=0)
-
-        tile_init = (d_hidden, jnp.zeros(weight.shape, f32), jnp.zeros((vocab_chunk,), f32))
-        d_hidden, d_weight, d_tile_bias = jax.lax.fori_loop(0, num_chunks, token_step, tile_init)
-        # Keep the columns an earlier (overlapping) tile already wrote.
-        old = jax.lax.dynamic_slice_in_dim(d_head, start, vocab_chunk, axis=1)
-        d_weight = jnp.where(valid, d_weight.astype(d_head.dtype), old)
-        d_head = jax.lax.dynamic_update_slice_in_dim(d_head, d_weight, start, axis=1)
-        if d_bias is not None:
-            old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, vocab_chunk)
-            d_bias = jax.lax.dynamic_update_slice_in_dim(
-                d_bias, jnp.where(valid, d_tile_bias.astype(d_bias.dtype), old_b), start, axis=0)
-        return d_hidden, d_head, d_bias
-
-    init = (jnp.zeros(hidden.shape, f32), jnp.zeros_like(lm_head),
-            None if bias is None else jnp.zeros_like(bias))
-    d_hidden, d_head, d_bias = jax.lax.fori_loop(0, num_tiles, vocab_step, init)
-    return d_hidden.astype(hidden.dtype), d_head, d_bias, None
-
-
-_chunked_head.defvjp(_chunked_head_fwd, _chunked_head_bwd)
-
-
-def token_logprobs_and_entropy(
-    hidden: jax.Array,
-    lm_head: jax.Array,
-    targets: jax.Array,
-    *,
-    chunk_size: int = 1024,
-    vocab_chunk_size: int | None = 32768,
-    bias: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Target-token logprobs and token entropy from hidden states, tile by tile.
-
-    ``z = hidden @ lm_head (+ bias)``; ``logp = z_y - logsumexp(z)``,
-    ``H = -sum softmax(z) log softmax(z)`` (SPEC section 4), never materialising
-    ``[B, T, V]``: tokens go in chunks of ``chunk_size`` and the vocabulary in
-    tiles of ``vocab_chunk_size`` with an online logsumexp. The backward pass
-    (a ``custom_vjp``) recomputes each tile, so the peak extra memory is a few
-    ``[chunk_size, vocab_chunk_size]`` float32 tiles plus the gradients.
-    Neither size needs to divide ``B*T`` or ``V`` (tokens are padded, the last
-    vocab tile is clamped and its overlap masked). Matmuls take the inputs in
-    their own dtype (e.g. bfloat16) and accumulate in float32.
-
-    Args:
-      hidden: ``[B, T, D]`` float, final hidden states (after the last norm).
-      lm_head: ``[D, V]`` float, the LM-head (unembedding) weight.
-      targets: ``[B, T]`` integer, the token whose logprob is wanted at each position.
-      chunk_size: tokens per chunk.
-      vocab_chunk_size: vocabulary columns per tile; ``None`` for the whole vocabulary.
-      bias: optional ``[V]`` float LM-head bias.
-    Returns:
-      ``(logp, entropy)``, each ``[B, T]`` float32. Differentiable w.r.t.
-      ``hidden``, ``lm_head`` and ``bias`` (reverse mode; gradients come back in
-      the inputs' dtypes).
-    """
-    check_rank("hidden", hidden, 3)
-    check_rank("lm_head", lm_head, 2)
-    check_floating("hidden", hidden)
-    check_floating("lm_head", lm_head)
-    check_integer("targets", targets)
-    batch, length, dim = hidden.shape
-    if lm_head.shape[0] != dim:
-        raise ValueError(
-            f"lm_head has shape {lm_head.shape} but hidden has hidden size {dim}; "
-            f"expected lm_head of shape [{dim}, V] (transpose an [V, D] embedding table)"
-        )
-    if targets.shape != (batch, length):
-        raise ValueError(
-            f"targets has shape {targets.shape} but hidden has shape {hidden.shape}; "
-            f"expected targets of shape {(batch, length)}"
-        )
-    vocab = lm_head.shape[1]
-    if bias is not None:
-        check_floating("bias", bias)
-        if bias.shape != (vocab,):
-            raise ValueError(f"bias has shape {bias.shape} but shape {(vocab,)} was expected")
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r} but a positive integer was expected")
-    if vocab_chunk_size is not None and (not isinstance(vocab_chunk_size, int) or vocab_chunk_size <= 0):
-        raise ValueError(
-            f"vocab_chunk_size={vocab_chunk_size!r} but a positive integer or None was expected")
-
-    num_tokens = batch * length
-    chunk = min(chunk_size, num_tokens)
-    vocab_chunk = vocab if vocab_chunk_size is None else min(vocab_chunk_size, vocab)
-    pad = -num_tokens % chunk
-    h = jnp.pad(hidden.reshape(num_tokens, dim), ((0, pad), (0, 0)))
-    y = jnp.pad(targets.reshape(num_tokens).astype(jnp.int32), (0, pad))
-    logp, entropy = _chunked_head(h.reshape(-1, chunk, dim), lm_head, bias,
-                                  y.reshape(-1, chunk), vocab_chunk)
-    unpad = lambda x: x.reshape(-1)[:num_tokens].reshape(batch, length)
-    return unpad(logp), unpad(entropy)
 
 
 # --------------------------------------------------------------------------- #
@@ -306,7 +92,7 @@ def _check_token_inputs(mask, **arrays):
 
 
 def entropy_bonus(entropy: jax.Array, mask: jax.Array, *, coef: float) -> jax.Array:
-    """Per-token entropy-bonus loss term ``-coef * H_t`` on masked tokens (SPEC section 4).
+    """Per-token entropy-bonus loss term ``-coef * H_t`` on masked tokens (docs/losses.md#entropy-bonus).
 
     Returned per token so the objective aggregates it with the same mode and
     normaliser as the policy loss (independent of the micro-batch split).
@@ -328,7 +114,7 @@ def _masked_mean(x, mask):
 
 
 def centered_cov(logp: jax.Array, advantages: jax.Array, mask: jax.Array) -> jax.Array:
-    """Per-token centred cross-product ``Cov_i = (logp_i - mean logp)(A_i - mean A)`` (SPEC section 4).
+    """Per-token centred cross-product ``Cov_i = (logp_i - mean logp)(A_i - mean A)`` (docs/losses.md#clip-cov-and-kl-cov).
 
     Means run over the ``N`` masked tokens of the whole batch; ``logp`` is
     detached (the statistic selects tokens, it is not a loss).
@@ -380,12 +166,12 @@ def clip_cov_mask(
     omega_low: float = 1.0,
     omega_high: float = 5.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clip-Cov: tokens whose policy gradient is detached (SPEC section 4).
+    """Clip-Cov: tokens whose policy gradient is detached (docs/losses.md#clip-cov-and-kl-cov).
 
     Among masked tokens with ``omega_low <= Cov_i <= omega_high`` pick
     ``floor(ratio * N)`` uniformly at random with ``key`` (all of them if fewer
     qualify). The objective zeroes those tokens' policy-gradient term. (verl
-    takes ``max(floor(ratio * N), 1)``; SPEC says ``floor``.) Compute it once
+    takes ``max(floor(ratio * N), 1)``; docs/losses.md#clip-cov-and-kl-cov says ``floor``.) Compute it once
     on the whole optimizer-step batch and hand the mask to every micro-batch,
     so the choice does not depend on the micro-batch split.
 
@@ -426,7 +212,7 @@ def kl_cov_select(
     *,
     ratio: float = 2e-3,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """KL-Cov's tokens: the top ``floor(ratio * N)`` masked tokens by ``Cov_i`` (SPEC section 4).
+    """KL-Cov's tokens: the top ``floor(ratio * N)`` masked tokens by ``Cov_i`` (docs/losses.md#clip-cov-and-kl-cov).
 
     Selection is deterministic: largest ``Cov_i`` first, ties by position in the
     flattened ``[B, T]`` batch. Select once on the whole optimizer-step batch
@@ -462,11 +248,11 @@ def kl_cov_gap_penalty(
     *,
     beta: float = 1.0,
 ) -> jax.Array:
-    """KL-Cov's per-token term ``beta * |logp - old_logp|`` on the ``selected`` tokens (SPEC section 4).
+    """KL-Cov's per-token term ``beta * |logp - old_logp|`` on the ``selected`` tokens (docs/losses.md#clip-cov-and-kl-cov).
 
     The penalty carries gradient through ``logp`` and is added to those tokens'
     per-token loss before aggregation. (verl also drops the PPO clip on the
-    selected tokens; SPEC only adds the term, so that choice is left to the
+    selected tokens; docs/losses.md#clip-cov-and-kl-cov only adds the term, so that choice is left to the
     objective.)
 
     Args:
@@ -495,7 +281,7 @@ def kl_cov_penalty(
     ratio: float = 2e-3,
     beta: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """KL-Cov: ``beta * |logp - old_logp|`` on the top ``floor(ratio * N)`` tokens by ``Cov_i`` (SPEC section 4).
+    """KL-Cov: ``beta * |logp - old_logp|`` on the top ``floor(ratio * N)`` tokens by ``Cov_i`` (docs/losses.md#clip-cov-and-kl-cov).
 
     :func:`kl_cov_select` then :func:`kl_cov_gap_penalty` on the same tokens.
 
@@ -520,7 +306,7 @@ def kl_cov_penalty(
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EntropyLawFit:
-    """Least-squares fit of ``R = -a exp(H) + b`` (SPEC section 4); all float32 scalars.
+    """Least-squares fit of ``R = -a exp(H) + b`` (docs/losses.md#entropy-performance-law); all float32 scalars.
 
     ``ceiling = b - a`` is the reward predicted when entropy reaches 0.
     """
@@ -532,7 +318,7 @@ class EntropyLawFit:
 
 
 def fit_entropy_law(entropy: jax.Array, reward: jax.Array) -> EntropyLawFit:
-    """Fits ``R = -a exp(H) + b`` by least squares over training steps (SPEC section 4).
+    """Fits ``R = -a exp(H) + b`` by least squares over training steps (docs/losses.md#entropy-performance-law).
 
     Ordinary least squares of ``R`` on ``x = exp(H)``: ``a = -cov(x, R) / var(x)``,
     ``b = mean(R) + a mean(x)``, computed on centred values in float32.

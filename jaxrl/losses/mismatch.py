@@ -1,27 +1,21 @@
-"""Training-inference mismatch: metrics and corrections (SPEC section 5).
+"""Training-inference mismatch: log ratios, metrics and the batch filter (docs/losses.md#training-inference-mismatch).
 
-The rollout engine and the learner compute different numbers for the same
-weights. Per token ``log_r_t = old_logp - rollout_logp`` (learner minus
-rollout) over masked tokens; per sequence ``log_r = sum_t log_r_t``. With
-tokens sampled from the rollout policy ``q`` and ``r = p / q = exp(log_r_t)``,
+With tokens sampled from the rollout policy ``q`` and ``r = p / q = exp(log_r_t)``
+(``log_r_t = old_logp - rollout_logp``, learner minus rollout, over masked tokens),
 the KL(q || p) estimators are ``k1 = -log r``, ``k2 = (log r)^2 / 2`` and
 ``k3 = r - 1 - log r`` (the blog's vllm-kl).
+
+The corrections that reweight the policy gradient by these ratios are in
+``jaxrl.losses.corrections``.
 
 Shapes: ``[B, T]`` for every per-token array; ``mask`` is 1 on tokens the
 policy generated. Every function is jittable: metrics are float32 scalars (or
 fixed-size per-bucket arrays) in a dict, and statistics over an empty set
 (no tokens in a bucket, turn or batch) come back as 0 with a count of 0.
-
-Corrections return ``(weight, keep, metrics)``: a detached float32 weight that
-multiplies the policy-gradient term, the tokens still used, and the fraction
-of tokens and sequences the correction clipped or masked. Bypass (Ring-Linear
-eq. 5) needs no function: pass ``rollout_logp`` as ``old_logp`` to the policy
-loss.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
@@ -33,26 +27,12 @@ from jaxrl.losses._validate import (
     check_floating,
     check_integer,
     check_mask,
-    check_ordered,
-    check_positive,
     check_rank,
     check_same_shape,
 )
 
-__all__ = [
-    "DEFAULT_PROB_EDGES",
-    "token_log_ratio",
-    "sequence_log_ratio",
-    "mismatch_metrics",
-    "mismatch_metrics_by_rollout_prob",
-    "mismatch_metrics_by_turn",
-    "token_tis",
-    "sequence_tis",
-    "token_mis",
-    "sequence_mis",
-    "geo_rs",
-    "batch_filter",
-]
+__all__ = ["DEFAULT_PROB_EDGES", "token_log_ratio", "sequence_log_ratio", "mismatch_metrics",
+           "mismatch_metrics_by_rollout_prob", "mismatch_metrics_by_turn", "BATCH_FILTER_METRICS", "batch_filter"]
 
 # Rollout-probability bucket edges: [0, 1e-8), [1e-8, 1e-7), ..., [0.1, 1].
 DEFAULT_PROB_EDGES = (0.0,) + tuple(10.0 ** e for e in range(-8, 1))
@@ -69,7 +49,7 @@ def _check_pair(old_logp, rollout_logp, mask):
 
 
 def token_log_ratio(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array) -> jax.Array:
-    """``log_r_t = old_logp - rollout_logp`` on masked tokens, 0 elsewhere (SPEC section 5).
+    """``log_r_t = old_logp - rollout_logp`` on masked tokens, 0 elsewhere (docs/losses.md#training-inference-mismatch).
 
     Args:
       old_logp: ``[B, T]`` float learner logprobs at sampling time.
@@ -87,7 +67,7 @@ def token_log_ratio(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Arra
 def sequence_log_ratio(
     old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Sequence ``log_r = sum_t log_r_t`` over masked tokens (SPEC section 5).
+    """Sequence ``log_r = sum_t log_r_t`` over masked tokens (docs/losses.md#training-inference-mismatch).
 
     Returns:
       ``(log_r [B] float32, num_tokens [B] int32)``: the sum and the count of
@@ -97,9 +77,6 @@ def sequence_log_ratio(
     return jnp.sum(log_r, axis=-1), jnp.sum(mask.astype(bool), axis=-1, dtype=jnp.int32)
 
 
-# --------------------------------------------------------------------------- #
-# Metrics
-# --------------------------------------------------------------------------- #
 def _safe_div(num, den):
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0.0)
 
@@ -178,7 +155,7 @@ def _as_f32(old_logp, rollout_logp, mask):
 def mismatch_metrics(
     old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array
 ) -> dict[str, jax.Array]:
-    """Every batch-level mismatch statistic of SPEC section 5.
+    """Every batch-level mismatch statistic of docs/losses.md#mismatch-metrics.
 
     Token level, over the ``N`` masked tokens (``r_t = exp(log_r_t)``,
     ``p = exp(old_logp)``, ``q = exp(rollout_logp)``):
@@ -224,7 +201,7 @@ def mismatch_metrics_by_rollout_prob(
     *,
     edges: Sequence[float] = DEFAULT_PROB_EDGES,
 ) -> dict[str, jax.Array]:
-    """Token mismatch statistics bucketed by rollout probability (SPEC section 5).
+    """Token mismatch statistics bucketed by rollout probability (docs/losses.md#mismatch-metrics).
 
     Bucket ``i`` holds the masked tokens with ``edges[i] <= exp(rollout_logp) < edges[i+1]``
     (the last bucket also takes ``edges[-1]``); tokens outside ``[edges[0], edges[-1]]``
@@ -257,7 +234,7 @@ def mismatch_metrics_by_rollout_prob(
 def mismatch_metrics_by_turn(
     old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, turn_ids: jax.Array
 ) -> dict[str, jax.Array]:
-    """:func:`mismatch_metrics` for the first model turn and for the later turns (SPEC section 5).
+    """:func:`mismatch_metrics` for the first model turn and for the later turns (docs/losses.md#mismatch-metrics).
 
     A sequence's first model turn is the smallest ``turn_ids`` value among its
     masked tokens; every masked token with a larger id is a later turn. Sequence
@@ -284,157 +261,6 @@ def mismatch_metrics_by_turn(
     return metrics
 
 
-# --------------------------------------------------------------------------- #
-# Corrections
-# --------------------------------------------------------------------------- #
-def _affected_fractions(name, affected, keep):
-    """Fraction of masked tokens, and of sequences with masked tokens, that ``affected`` touches."""
-    affected = affected & keep
-    has_tokens = jnp.any(keep, axis=-1)
-    return {
-        f"{name}_token_frac": _safe_div(jnp.sum(affected).astype(_f32), jnp.sum(keep).astype(_f32)),
-        f"{name}_seq_frac": _safe_div(jnp.sum(jnp.any(affected, axis=-1)).astype(_f32),
-                                      jnp.sum(has_tokens).astype(_f32)),
-    }
-
-
-def _weight_mean(name, weight, keep):
-    return {f"{name}_weight_mean": _safe_div(jnp.sum(jnp.where(keep, weight, 0.0)),
-                                             jnp.sum(keep).astype(_f32))}
-
-
-def token_tis(
-    old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, *, cap: float = 2.0
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Token truncated IS: ``w_t = min(exp(log_r_t), cap)`` (SPEC section 5).
-
-    Returns:
-      ``(weight [B, T] float32 detached (0 off mask), keep [B, T] bool (= mask),
-      metrics)``; metrics: ``token_tis_clipped_token_frac``,
-      ``token_tis_clipped_seq_frac`` (tokens with ``exp(log_r_t) > cap``),
-      ``token_tis_weight_mean``.
-    """
-    check_positive("cap", cap)
-    log_r = token_log_ratio(old_logp, rollout_logp, mask)
-    keep = mask.astype(bool)
-    weight = jnp.where(keep, jnp.exp(jnp.minimum(log_r, math.log(cap))), 0.0)
-    metrics = _affected_fractions("token_tis_clipped", log_r > math.log(cap), keep)
-    metrics.update(_weight_mean("token_tis", weight, keep))
-    return weight, keep, metrics
-
-
-def sequence_tis(
-    old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, *, cap: float = 2.0
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Sequence truncated IS: ``w = min(exp(sum_t log_r_t), cap)`` on every token of the sequence (SPEC section 5).
-
-    The blog uses ``cap = 2``. Computed as ``exp(min(log_r, log cap))`` so long
-    sequences cannot overflow.
-
-    Returns:
-      ``(weight [B, T] float32 detached, keep [B, T] bool (= mask), metrics)``;
-      metrics: ``seq_tis_clipped_token_frac``, ``seq_tis_clipped_seq_frac``,
-      ``seq_tis_weight_mean``.
-    """
-    check_positive("cap", cap)
-    seq_log_r, _ = sequence_log_ratio(old_logp, rollout_logp, mask)
-    keep = mask.astype(bool)
-    weight = jnp.where(keep, jnp.exp(jnp.minimum(seq_log_r, math.log(cap)))[:, None], 0.0)
-    clipped = jnp.broadcast_to((seq_log_r > math.log(cap))[:, None], keep.shape)
-    metrics = _affected_fractions("seq_tis_clipped", clipped, keep)
-    metrics.update(_weight_mean("seq_tis", weight, keep))
-    return weight, keep, metrics
-
-
-def token_mis(
-    old_logp: jax.Array,
-    rollout_logp: jax.Array,
-    mask: jax.Array,
-    *,
-    c_low: float = 2.0,
-    c_high: float = 5.0,
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Token masked IS / IcePop: ``w_t = exp(log_r_t)`` if ``1/c_low <= exp(log_r_t) <= c_high``, else masked (SPEC section 5).
-
-    Two-sided; the defaults are IcePop's band ``[0.5, 5]``.
-
-    Returns:
-      ``(weight [B, T] float32 detached (0 where masked), keep [B, T] bool,
-      metrics)``; metrics: ``token_mis_masked_token_frac``,
-      ``token_mis_masked_seq_frac`` (sequences with at least one masked token),
-      ``token_mis_weight_mean`` (over the tokens kept).
-    """
-    check_positive("c_low", c_low)
-    check_positive("c_high", c_high)
-    check_ordered("1/c_low", 1.0 / c_low, "c_high", c_high)
-    log_r = token_log_ratio(old_logp, rollout_logp, mask)
-    valid = mask.astype(bool)
-    inside = (log_r >= -math.log(c_low)) & (log_r <= math.log(c_high))
-    keep = valid & inside
-    weight = jnp.where(keep, jnp.exp(log_r), 0.0)
-    metrics = _affected_fractions("token_mis_masked", ~inside, valid)
-    metrics.update(_weight_mean("token_mis", weight, keep))
-    return weight, keep, metrics
-
-
-def sequence_mis(
-    old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, *, cap: float = 2.0
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Sequence masked IS: ``w = exp(log_r) * 1[exp(log_r) <= cap]`` on every token (SPEC section 5).
-
-    One-sided as in the blog (a small ratio only shrinks the update).
-
-    Returns:
-      ``(weight [B, T] float32 detached, keep [B, T] bool, metrics)``; metrics:
-      ``seq_mis_masked_token_frac``, ``seq_mis_masked_seq_frac``,
-      ``seq_mis_weight_mean`` (over the tokens kept).
-    """
-    check_positive("cap", cap)
-    seq_log_r, _ = sequence_log_ratio(old_logp, rollout_logp, mask)
-    valid = mask.astype(bool)
-    rejected = jnp.broadcast_to((seq_log_r > math.log(cap))[:, None], valid.shape)
-    keep = valid & ~rejected
-    weight = jnp.where(keep, jnp.exp(jnp.minimum(seq_log_r, math.log(cap)))[:, None], 0.0)
-    metrics = _affected_fractions("seq_mis_masked", rejected, valid)
-    metrics.update(_weight_mean("seq_mis", weight, keep))
-    return weight, keep, metrics
-
-
-def geo_rs(
-    old_logp: jax.Array,
-    rollout_logp: jax.Array,
-    mask: jax.Array,
-    *,
-    lower: float = 0.999,
-    upper: float = 1.001,
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Geometric-mean rejection: keep a sequence iff ``lower <= exp(log_r / T_seq) <= upper`` (SPEC section 5).
-
-    ``T_seq`` is the sequence's count of masked tokens, so the band is a
-    per-token trust region that does not reject long sequences systematically.
-    Pure rejection: kept tokens get weight 1 (combine with a TIS weight by
-    multiplying if reweighting is wanted). The default band (1 +- 1e-3) is a
-    choice; SPEC gives none.
-
-    Returns:
-      ``(weight [B, T] float32 (1 kept, 0 rejected), keep [B, T] bool, metrics)``;
-      metrics: ``geo_rs_masked_token_frac``, ``geo_rs_masked_seq_frac``,
-      ``geo_rs_log_rho_geo_mean`` (mean of ``log_r / T_seq`` over sequences with tokens).
-    """
-    check_positive("lower", lower)
-    check_ordered("lower", lower, "upper", upper)
-    seq_log_r, num_tokens = sequence_log_ratio(old_logp, rollout_logp, mask)
-    valid = mask.astype(bool)
-    has_tokens = num_tokens > 0
-    log_rho_geo = _safe_div(seq_log_r, num_tokens.astype(_f32))
-    inside = (log_rho_geo >= math.log(lower)) & (log_rho_geo <= math.log(upper))
-    keep = valid & inside[:, None]
-    metrics = _affected_fractions("geo_rs_masked", ~inside[:, None] & valid, valid)
-    metrics["geo_rs_log_rho_geo_mean"] = _safe_div(
-        jnp.sum(jnp.where(has_tokens, log_rho_geo, 0.0)), jnp.sum(has_tokens).astype(_f32))
-    return keep.astype(_f32), keep, metrics
-
-
 BATCH_FILTER_METRICS = ("mismatch_k1", "mismatch_k2", "mismatch_k3", "mismatch_abs_log_ratio_mean",
                    "mismatch_abs_log_ratio_max", "mismatch_prob_diff_mean", "mismatch_chi2_token",
                    "mismatch_chi2_seq", "mismatch_log_ppl_abs_diff_max")
@@ -448,7 +274,7 @@ def batch_filter(
     threshold: float,
     metric: str = "mismatch_k3",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Skip the whole update when a batch mismatch metric exceeds ``threshold`` (SPEC section 5).
+    """Skip the whole update when a batch mismatch metric exceeds ``threshold`` (docs/losses.md#batch-filter).
 
     The caller must skip the optimizer step itself (``skip`` is a traced bool,
     e.g. for ``jax.lax.cond``): a zero loss is not a skipped step under Adam's

@@ -4,11 +4,11 @@
 
     loss = agg(w * pg_t [+ kl_cov_t]) + kl_coef * agg(kl_t) + agg(-entropy_coef * H_t)
 
-where ``pg_t`` is the policy surrogate (PPO / GSPO / GSPO-token, SPEC 2) with
-Clip-Cov's tokens detached (SPEC 4), ``w`` the detached mismatch correction
-(SPEC 5), ``kl_t`` the KL regulariser (SPEC 3; as-loss kinds go through the
+where ``pg_t`` is the policy surrogate (PPO / GSPO / GSPO-token, docs/losses.md#policy-losses) with
+Clip-Cov's tokens detached (docs/losses.md#clip-cov-and-kl-cov), ``w`` the detached mismatch correction
+(docs/losses.md#mismatch-corrections), ``kl_t`` the KL regulariser (docs/losses.md#kl-regularisers; as-loss kinds go through the
 appendix-G off-policy form by default), and every ``agg`` the same aggregation
-mode and global normaliser (SPEC 2), so that summing the losses of the
+mode and global normaliser (docs/losses.md#policy-losses), so that summing the losses of the
 micro-batches of one batch gives the full-batch loss and gradient. Clip-Cov
 and KL-Cov choose tokens from whole-batch statistics: with micro-batches, call
 :func:`entropy_control_selection` once on the optimizer step's whole batch and
@@ -25,14 +25,27 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxrl.losses import _validate, entropy as entropy_lib, kl as kl_lib, mismatch, policy
+from jaxrl.losses import _validate, corrections, entropy as entropy_lib, kl as kl_lib, mismatch, policy
 
 Array = jax.Array
 
+# Mismatch correction (docs/losses.md#mismatch-corrections) -> (its function in ``corrections``, {keyword: ObjectiveConfig field}).
+# "icepop" is token MIS under the name of the Ring-1T paper: the same two-sided band.
+_TOKEN_MIS = (corrections.token_mis, {"c_low": "mis_c_low", "c_high": "mis_c_high"})
+_CORRECTIONS = {
+    "token-tis": (corrections.token_tis, {"cap": "tis_cap"}),
+    "seq-tis": (corrections.sequence_tis, {"cap": "tis_cap"}),
+    "token-mis": _TOKEN_MIS,
+    "icepop": _TOKEN_MIS,
+    "seq-mis": (corrections.sequence_mis, {"cap": "seq_mis_cap"}),
+    "geo-rs": (corrections.geo_rs, {"lower": "geo_rs_lower", "upper": "geo_rs_upper"}),
+}
+
+# The values ObjectiveConfig accepts, from the registries ("none": the term is off).
+# Entropy controls are dispatched in entropy_control_selection and rl_objective.
 KL_KINDS = ("none",) + kl_lib.KL_REGULARIZERS
 ENTROPY_CONTROLS = ("none", "clip-cov", "kl-cov")
-# "icepop" is token MIS under the name of the Ring-1T paper: the same two-sided band.
-MISMATCH_CORRECTIONS = ("none", "token-tis", "seq-tis", "token-mis", "icepop", "seq-mis", "geo-rs")
+MISMATCH_CORRECTIONS = ("none",) + tuple(_CORRECTIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,13 +53,13 @@ class ObjectiveConfig:
     """What :func:`rl_objective` computes. Validated on construction; errors name the field.
 
     Fields (defaults in brackets):
-      policy_loss ["ppo"]: "ppo" | "gspo" | "gspo-token" (SPEC 2).
+      policy_loss ["ppo"]: "ppo" | "gspo" | "gspo-token" (docs/losses.md#policy-losses).
       eps_low, eps_high [0.2, 0.28]: clip range (DAPO clip-higher); GSPO wants
         ~3e-4 / 4e-4. dual_clip [None]: c > 1 for A < 0.
       aggregation ["token-mean"]: one of ``policy.AGGREGATION_MODES``; the
         caller computes ``normalizer`` with ``losses.loss_normalizer`` on the
         global batch for this mode.
-      kl_kind ["none"], kl_coef [0.0]: KL regulariser (SPEC 3). "k1-in-reward"
+      kl_kind ["none"], kl_coef [0.0]: KL regulariser (docs/losses.md#kl-regularisers). "k1-in-reward"
         adds nothing to the loss: fold it into the rewards with
         ``losses.kl_in_reward`` before the advantages (see
         ``kl_in_reward_coef``). "k1-as-loss" is allowed but warns.
@@ -55,11 +68,11 @@ class ObjectiveConfig:
       entropy_coef [0.0]: entropy bonus ``-coef * H`` (needs ``entropy``).
       entropy_control ["none"]: "clip-cov" (clip_cov_ratio 2e-4,
         clip_cov_omega_low 1, clip_cov_omega_high 5; needs ``key``) or
-        "kl-cov" (kl_cov_ratio 2e-3, kl_cov_beta 1) (SPEC 4 defaults).
+        "kl-cov" (kl_cov_ratio 2e-3, kl_cov_beta 1) (docs/losses.md#clip-cov-and-kl-cov defaults).
       mismatch_correction ["none"]: "token-tis" / "seq-tis" (cap ``tis_cap`` 2),
         "token-mis" = "icepop" (band [1/mis_c_low, mis_c_high] = [0.5, 5]),
         "seq-mis" (cap ``seq_mis_cap`` 2), "geo-rs" ([geo_rs_lower,
-        geo_rs_upper] = [0.999, 1.001]) (SPEC 5); needs ``rollout_logp``.
+        geo_rs_upper] = [0.999, 1.001]) (docs/losses.md#mismatch-corrections); needs ``rollout_logp``.
       bypass [False]: use ``rollout_logp`` as ``old_logp`` (Ring-Linear eq. 5);
         excludes a mismatch correction and the batch filter (no learner/rollout
         ratio is left).
@@ -150,19 +163,10 @@ def _masked_mean(x: Array, mask: Array) -> Array:
 
 
 def _mismatch_weight(config: ObjectiveConfig, old_logp, rollout_logp, mask):
-    """Detached per-token weight of the policy term and the correction's metrics (SPEC 5)."""
-    kind = config.mismatch_correction
-    if kind in ("token-tis", "seq-tis"):
-        correct = mismatch.token_tis if kind == "token-tis" else mismatch.sequence_tis
-        weight, _, metrics = correct(old_logp, rollout_logp, mask, cap=config.tis_cap)
-    elif kind in ("token-mis", "icepop"):
-        weight, _, metrics = mismatch.token_mis(old_logp, rollout_logp, mask,
-                                                c_low=config.mis_c_low, c_high=config.mis_c_high)
-    elif kind == "seq-mis":
-        weight, _, metrics = mismatch.sequence_mis(old_logp, rollout_logp, mask, cap=config.seq_mis_cap)
-    else:
-        weight, _, metrics = mismatch.geo_rs(old_logp, rollout_logp, mask,
-                                             lower=config.geo_rs_lower, upper=config.geo_rs_upper)
+    """Detached per-token weight of the policy term and the correction's metrics (docs/losses.md#mismatch-corrections)."""
+    correct, options = _CORRECTIONS[config.mismatch_correction]
+    weight, _, metrics = correct(old_logp, rollout_logp, mask,
+                                 **{keyword: getattr(config, field) for keyword, field in options.items()})
     return jax.lax.stop_gradient(weight), metrics
 
 
@@ -179,7 +183,7 @@ def entropy_control_selection(
     *,
     key: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Clip-Cov's detached tokens or KL-Cov's penalised tokens over all masked tokens given (SPEC 4).
+    """Clip-Cov's detached tokens or KL-Cov's penalised tokens over all masked tokens given (docs/losses.md#clip-cov-and-kl-cov).
 
     Call it on the optimizer step's whole batch (with the ``logp`` of the
     parameters being differentiated) and pass the rows of each micro-batch to
@@ -222,7 +226,7 @@ def rl_objective(
     key: Array | None = None,
     cov_selection: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """``loss = agg(w * pg [+ kl_cov]) + kl_coef * agg(kl) - entropy_coef * agg(H)`` (SPEC 2-5, module docstring).
+    """``loss = agg(w * pg [+ kl_cov]) + kl_coef * agg(kl) - entropy_coef * agg(H)`` (docs/losses.md#the-rl-objective, module docstring).
 
     Args:
       config: an :class:`ObjectiveConfig`.

@@ -1,4 +1,4 @@
-"""Policy-gradient surrogate losses and their aggregation (SPEC section 2).
+"""Policy-gradient surrogate losses and their aggregation (docs/losses.md#policy-losses).
 
 All token losses take ``[B, T]`` arrays (``B`` sequences, ``T`` positions),
 return a ``[B, T]`` float32 loss that is zero on masked-out tokens plus a dict
@@ -13,6 +13,8 @@ full-batch loss and gradient whatever the split.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -20,7 +22,6 @@ from jaxrl.losses import _validate
 
 Array = jax.Array
 
-POLICY_LOSSES = ("ppo", "gspo", "gspo-token")
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -40,14 +41,14 @@ def _check_clip_args(eps_low, eps_high, dual_clip) -> None:
 
 
 def masked_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
-    """``log rho_t = logp - old_logp`` on masked tokens, 0 elsewhere (SPEC 2), float32 ``[B, T]``."""
+    """``log rho_t = logp - old_logp`` on masked tokens, 0 elsewhere (docs/losses.md#policy-losses), float32 ``[B, T]``."""
     live = jnp.asarray(mask).astype(bool)
     diff = jnp.asarray(logp, jnp.float32) - jnp.asarray(old_logp, jnp.float32)
     return jnp.where(live, diff, 0.0)
 
 
 def gspo_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
-    """GSPO ``log s_i = mean_t(logp - old_logp)`` over masked tokens (SPEC 2).
+    """GSPO ``log s_i = mean_t(logp - old_logp)`` over masked tokens (docs/losses.md#gspo-and-gspo-token).
 
     Args: ``logp``, ``old_logp`` float ``[B, T]``; ``mask`` ``[B, T]``.
     Returns: float32 ``[B]``; 0 for a sequence without masked tokens.
@@ -96,7 +97,7 @@ def ppo_clip_token_loss(
     eps_high: float = 0.28,
     dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """PPO clip ``-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)``, dual clip ``min(., -c A)`` for ``A<0`` (SPEC 2).
+    """PPO clip ``-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)``, dual clip ``min(., -c A)`` for ``A<0`` (docs/losses.md#ppo-clip-with-clip-higher-and-dual-clip).
 
     Args:
       logp: float ``[B, T]``, carries gradient; old_logp: float ``[B, T]``
@@ -126,7 +127,7 @@ def gspo_token_loss(
     dual_clip: float | None = None,
     token_gradient: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
-    """GSPO ``-min(s A, clip(s, 1-eps_low, 1+eps_high) A)``, ``s_i = exp(mean_t(logp - old_logp))`` (SPEC 2).
+    """GSPO ``-min(s A, clip(s, 1-eps_low, 1+eps_high) A)``, ``s_i = exp(mean_t(logp - old_logp))`` (docs/losses.md#gspo-and-gspo-token).
 
     The sequence ratio ``s_i`` multiplies every token's advantage, so the usual
     per-sequence advantage broadcast to tokens gives the GSPO objective under
@@ -151,6 +152,15 @@ def gspo_token_loss(
     return _clipped_surrogate(log_ratio, advantages, mask, eps_low, eps_high, dual_clip)
 
 
+# Policy loss name -> its token loss, called as ``fn(logp, old_logp, advantages, mask, *, eps_low,
+# eps_high, dual_clip)``; the one declaration of the policy-loss choices.
+POLICY_LOSSES = {
+    "ppo": ppo_clip_token_loss,
+    "gspo": gspo_token_loss,
+    "gspo-token": functools.partial(gspo_token_loss, token_gradient=True),
+}
+
+
 def policy_token_loss(
     kind: str,
     logp: Array,
@@ -162,21 +172,17 @@ def policy_token_loss(
     eps_high: float,
     dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Dispatches ``kind`` in ``POLICY_LOSSES`` ("ppo", "gspo", "gspo-token") to its token loss (SPEC 2).
+    """Dispatches ``kind`` in ``POLICY_LOSSES`` ("ppo", "gspo", "gspo-token") to its token loss (docs/losses.md#policy-losses).
 
     Shapes as :func:`ppo_clip_token_loss`.
     """
     _validate.check_choice("kind", kind, POLICY_LOSSES)
-    args = (logp, old_logp, advantages, mask)
-    if kind == "ppo":
-        return ppo_clip_token_loss(*args, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
-    return gspo_token_loss(
-        *args, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, token_gradient=kind == "gspo-token"
-    )
+    return POLICY_LOSSES[kind](logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
+                               dual_clip=dual_clip)
 
 
 def loss_normalizer(mode: str, mask: Array, *, max_length: int | None = None) -> Array:
-    """The divisor of :func:`aggregate_loss` for ``mode``, computed on the GLOBAL batch mask (SPEC 2).
+    """The divisor of :func:`aggregate_loss` for ``mode``, computed on the GLOBAL batch mask (docs/losses.md#loss-aggregation).
 
     * "token-mean": number of masked tokens;
     * "seq-mean-token-sum", "seq-mean-token-mean": number of sequences with at
@@ -203,7 +209,7 @@ def loss_normalizer(mode: str, mask: Array, *, max_length: int | None = None) ->
 
 
 def aggregate_loss(token_loss: Array, mask: Array, mode: str, normalizer: Array | float) -> Array:
-    """Reduces a ``[B, T]`` token loss to a scalar: ``sum_{b,t} m l / N`` or, for "seq-mean-token-mean", ``sum_b (sum_t m l / sum_t m) / N`` (SPEC 2).
+    """Reduces a ``[B, T]`` token loss to a scalar: ``sum_{b,t} m l / N`` or, for "seq-mean-token-mean", ``sum_b (sum_t m l / sum_t m) / N`` (docs/losses.md#loss-aggregation).
 
     ``normalizer`` ``N`` comes from :func:`loss_normalizer` on the global batch,
     so the sum of this over micro-batches equals the full-batch value (and

@@ -12,6 +12,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
+# Attention kind of each layer (`ModelConfig.layer_types`) and remat policy of each block
+# (`ModelConfig.remat`, besides "none"); `jaxrl.models.decoder` maps each name to its module
+# class (ATTENTION_KINDS) and checkpoint policy (REMAT_POLICIES).
+ATTENTION_KIND_NAMES = ("full_attention", "lightning_attention", "gated_deltanet")
+REMAT_POLICY_NAMES = ("full", "save_dots", "save_attention_out")
 MLP_KINDS = ("dense", "moe")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -48,14 +53,12 @@ MINIMAX_UNIT_FACTORS = ("full_attn_alpha_factor", "full_attn_beta_factor", "line
 def layer_pattern(pattern: str, num_layers: int) -> tuple[str, ...]:
     """`layer_types` from a repeating pattern: "lightning_attention*7,full_attention" over 16 layers is
     7 linear : 1 softmax twice (Ring-Linear / MiniMax-Text-01 hybrids). `kind*n` repeats a kind n times."""
-    from jaxrl.models.decoder import ATTENTION_KINDS
-
     cycle: list[str] = []
     for item in pattern.replace(" ", "").split(","):
         kind, _, count = item.partition("*")
-        if kind not in ATTENTION_KINDS:
+        if kind not in ATTENTION_KIND_NAMES:
             raise ValueError(f"layer pattern {pattern!r} names unknown layer type {kind!r}; "
-                             f"known types: {sorted(ATTENTION_KINDS)}")
+                             f"known types: {sorted(ATTENTION_KIND_NAMES)}")
         if count and (not count.isdigit() or int(count) < 1):
             raise ValueError(f"layer pattern {pattern!r}: repeat count {count!r} of {kind!r} must be a positive integer")
         cycle += [kind] * int(count or 1)
@@ -66,16 +69,16 @@ def layer_pattern(pattern: str, num_layers: int) -> tuple[str, ...]:
 class ModelConfig:
     """A decoder: embeddings, `num_layers` blocks (attention + MLP, pre-RMSNorm), final norm, LM head.
 
-    `layer_types[i]` names the attention kind of layer i (a key of
-    `jaxrl.models.decoder.ATTENTION_KINDS`, "full_attention" = softmax GQA with RoPE and
-    per-head q/k RMSNorm); `mlp_types[i]` is "dense" (SwiGLU, `intermediate_size`) or "moe"
-    (top-`num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size`,
-    plus a shared SwiGLU expert of width `shared_expert_intermediate_size` when > 0).
+    `layer_types[i]` names the attention kind of layer i (one of `ATTENTION_KIND_NAMES`,
+    "full_attention" = softmax GQA with RoPE and per-head q/k RMSNorm); `mlp_types[i]` is
+    "dense" (SwiGLU, `intermediate_size`) or "moe" (top-`num_experts_per_tok` of `num_experts`
+    SwiGLU experts of width `moe_intermediate_size`, plus a shared SwiGLU expert of width
+    `shared_expert_intermediate_size` when > 0).
     Empty tuples mean "full_attention" / "dense" on every layer.
     `param_dtype` stores the weights, `dtype` is the matmul compute dtype; norms, the residual
-    stream, router, LM head and log-softmax stay float32 (SPEC section 5).
-    `remat` is the activation-rematerialisation policy of each block: "none" or a key of
-    `jaxrl.models.decoder.REMAT_POLICIES`.
+    stream, router, LM head and log-softmax stay float32 (docs/models.md#numerics-and-dtypes).
+    `remat` is the activation-rematerialisation policy of each block: "none" or one of
+    `REMAT_POLICY_NAMES`.
     """
 
     vocab_size: int
@@ -140,10 +143,9 @@ class ModelConfig:
             if len(getattr(self, key)) != self.num_layers:
                 raise ValueError(f"ModelConfig.{key} has {len(getattr(self, key))} entries, expected "
                                  f"num_layers={self.num_layers}")
-        from jaxrl.models.decoder import ATTENTION_KINDS, REMAT_POLICIES  # registries live beside the layers
         for i, kind in enumerate(self.layer_types):
-            if kind not in ATTENTION_KINDS:
-                raise ValueError(f"ModelConfig.layer_types[{i}] = {kind!r}; known kinds: {sorted(ATTENTION_KINDS)}")
+            if kind not in ATTENTION_KIND_NAMES:
+                raise ValueError(f"ModelConfig.layer_types[{i}] = {kind!r}; known kinds: {sorted(ATTENTION_KIND_NAMES)}")
         for i, kind in enumerate(self.mlp_types):
             if kind not in MLP_KINDS:
                 raise ValueError(f"ModelConfig.mlp_types[{i}] = {kind!r}; known kinds: {list(MLP_KINDS)}")
@@ -177,8 +179,8 @@ class ModelConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"ModelConfig.linear_num_value_heads ({self.linear_num_value_heads}) must be a "
                                  f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
-        if self.remat != "none" and self.remat not in REMAT_POLICIES:
-            raise ValueError(f"ModelConfig.remat = {self.remat!r}; choose 'none' or one of {list(REMAT_POLICIES)}")
+        if self.remat != "none" and self.remat not in REMAT_POLICY_NAMES:
+            raise ValueError(f"ModelConfig.remat = {self.remat!r}; choose 'none' or one of {list(REMAT_POLICY_NAMES)}")
 
     @property
     def moe_layer_indices(self) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ Three call paths share one `__call__`:
   padding (segment id 0) is never attended, so left/right-padded and ragged batches work;
 - token logprobs and entropy through the chunked LM head (`token_logprobs`), never [B, T, V].
 
-The residual stream is float32 whatever the compute dtype (SPEC section 5).
+The residual stream is float32 whatever the compute dtype (docs/models.md#numerics-and-dtypes).
 
 Decode vs full forward: both run the same code (same projections, the same masked softmax
 over cache rows laid out exactly like the sequence, empty rows contributing exact zeros), but
@@ -26,14 +26,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxrl.losses.entropy import token_logprobs_and_entropy
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import F32, MLP, Attention, MoE, RMSNorm, make_param
 from jaxrl.models.linear_layers import GatedDeltaNet, LightningAttention
+from jaxrl.models.lm_head import token_logprobs_and_entropy
 from jaxrl.models.sharding import constrain
 
-# Attention kind (ModelConfig.layer_types entry) -> module class. A kind's class is built as
-# `cls(config, rngs=rngs, layer_index=i)`, has `init_cache(batch, max_len)` and is called as
+# Attention kind (ModelConfig.layer_types entry: the keys are config.ATTENTION_KIND_NAMES) -> module
+# class. A kind's class is built as `cls(config, rngs=rngs, layer_index=i)`, has
+# `init_cache(batch, max_len)` and is called as
 # `attn(x, positions=, segment_ids=, cache=, kv_segment_ids=, write_index=) -> (y, cache)`.
 # The linear kinds keep a fixed-size recurrent state as their cache (jaxrl.models.linear_layers).
 ATTENTION_KINDS: dict[str, type[nnx.Module]] = {
@@ -42,6 +43,7 @@ ATTENTION_KINDS: dict[str, type[nnx.Module]] = {
     "gated_deltanet": GatedDeltaNet,
 }
 
+# Remat policy (ModelConfig.remat other than "none": the keys are config.REMAT_POLICY_NAMES) -> policy.
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -205,7 +207,7 @@ class Decoder(nnx.Module):
     def token_logprobs(self, input_ids, positions, segment_ids, targets, *, chunk_size: int = 1024,
                        vocab_chunk_size: int | None = 32768):
         """log p(targets) and next-token entropy, each [B, T] float32, via the chunked LM head
-        (`jaxrl.losses.entropy.token_logprobs_and_entropy`), plus the DecoderOutput."""
+        (`jaxrl.models.lm_head.token_logprobs_and_entropy`), plus the DecoderOutput."""
         out = self(input_ids, positions, segment_ids)
         dtype = self.config.compute_dtype
         logp, entropy = token_logprobs_and_entropy(

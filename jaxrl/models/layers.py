@@ -4,7 +4,7 @@ Every parameter is an `nnx.Param` carrying `logical_axes` metadata (names such a
 "heads", "expert"); `jaxrl.models.sharding.LOGICAL_AXIS_RULES` maps those names to mesh axes.
 Activations are annotated with `constrain(x, logical names)`. No mesh axis names appear here.
 
-Numerics (SPEC section 5): norms, rotary tables, attention softmax, router logits/softmax and
+Numerics (docs/models.md#numerics-and-dtypes): norms, rotary tables, attention softmax, router logits/softmax and
 every matmul accumulation are float32; the matmul inputs are in the config's compute dtype.
 """
 
@@ -250,7 +250,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array):
         """x: [B, T, D]. Returns (y [B, T, D] float32, probs [B, T, E] f32, experts [B, T, k] int32)."""
-        c, dtype = self.config, self.config.compute_dtype
+        dtype = self.config.compute_dtype
         batch, length, dim = x.shape
         mesh = jax.sharding.get_abstract_mesh()
         batch_axes = logical_to_spec(("batch",), x.shape[:1], mesh)[0] if not mesh.empty else None

@@ -1,4 +1,4 @@
-"""Linear-attention kernels: lightning attention and the gated delta rule (SPEC section 8).
+"""Linear-attention kernels: lightning attention and the gated delta rule (docs/models.md#linear-attention).
 
 Both layers keep a per-head matrix state `S [Dk, Dv]` instead of a KV cache, so prefill costs
 O(T) and a decode step costs O(1) in the sequence length:
@@ -110,7 +110,7 @@ def lightning_attention(
     chunk_size: int = 64,
     initial_state: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Chunked lightning attention: `S_t = exp(log_decay) S_{t-1} + k_t^T v_t; o_t = q_t S_t` (SPEC 8).
+    """Chunked lightning attention: `S_t = exp(log_decay) S_{t-1} + k_t^T v_t; o_t = q_t S_t` (docs/models.md#linear-attention).
 
     Args: q, k `[B, T, H, Dk]`; v `[B, T, H, Dv]`; log_decay `[H]` (<= 0, MiniMax: -slope);
       initial_state `[B, H, Dk, Dv]` or None (zeros).

@@ -1,4 +1,4 @@
-"""Linear-attention token mixers of the hybrid models (SPEC section 8), flax NNX.
+"""Linear-attention token mixers of the hybrid models (docs/models.md#linear-attention), flax NNX.
 
 Both are attention kinds of `jaxrl.models.decoder.ATTENTION_KINDS` ("lightning_attention",
 "gated_deltanet"): built as `cls(config, rngs=, layer_index=)`, called as

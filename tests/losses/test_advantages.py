@@ -1,4 +1,4 @@
-"""Advantage estimators against SPEC figures and hand-written numpy loops."""
+"""Advantage estimators against the figures of docs/losses.md#grpo-and-the-std-clip and hand-written numpy loops."""
 
 import jax
 import jax.numpy as jnp
@@ -139,3 +139,121 @@ def test_bad_input_names_the_argument(call, names):
         call()
     for name in names:
         assert name in str(err.value)
+
+
+# --------------------------------------------------------------------------- #
+# Masked samples (unparsable responses) enter no statistic
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("x", [0.0, 1.0, 100.0, float("nan")])
+def test_reinforce_mask_leaves_invalid_sample_out_of_batch_statistics(x):
+    # Valid rewards [1, 0, 1, 0]: mean 1/2, population std 1/2 -> A = (r - 1/2) / (1/2) = [1, -1, 1, -1].
+    rewards = jnp.array([1.0, 0.0, 1.0, 0.0, x])
+    mask = jnp.array([True, True, True, True, False])
+    adv, metrics = adv_lib.reinforce_advantages(rewards, mask=mask)
+    np.testing.assert_allclose(adv, [1.0, -1.0, 1.0, -1.0, 0.0], rtol=1e-6)
+    assert int(metrics["zero_variance_groups"]) == 0
+    # The same as the estimator on the valid subset alone.
+    subset, _ = adv_lib.reinforce_advantages(rewards[:4])
+    np.testing.assert_allclose(adv[:4], subset, rtol=1e-6)
+
+
+@pytest.mark.parametrize("x", [0.0, 1.0, 100.0])
+def test_reinforce_pp_baseline_mask_leaves_invalid_sample_out_of_group_and_batch(x):
+    # Two groups of 3; sample 2 is invalid. Group baselines over valid samples:
+    # [1, 0] -> 1/2, centred [1/2, -1/2]; [0, 1, 1] -> 2/3, centred [-2/3, 1/3, 1/3].
+    # Batch over the 5 centred values: mean 0, population variance (1/4 + 1/4 + 4/9 + 1/9 + 1/9) / 5 = 7/30.
+    rewards = jnp.array([1.0, 0.0, x, 0.0, 1.0, 1.0])
+    mask = jnp.array([1, 1, 0, 1, 1, 1])
+    adv, metrics = adv_lib.reinforce_pp_baseline_advantages(rewards, group_size=3, mask=mask)
+    centred = np.array([0.5, -0.5, 0.0, -2 / 3, 1 / 3, 1 / 3])
+    np.testing.assert_allclose(adv, centred / np.sqrt(7 / 30), rtol=1e-5, atol=1e-6)
+    assert int(metrics["zero_variance_groups"]) == 0
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_masked_group_estimators_equal_the_estimator_on_the_valid_samples(name):
+    fn = adv_lib.ADVANTAGE_ESTIMATORS[name]
+    rewards = jnp.asarray(REWARDS)
+    mask = jnp.array([[1, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 0]], bool)
+    adv, metrics = fn(rewards, mask=mask)
+    live = np.asarray(mask).reshape(-1)
+    ids = np.repeat(np.arange(3), 4)[live]
+    subset, subset_metrics = fn(rewards.reshape(-1)[live], group_ids=jnp.asarray(ids), num_groups=3)
+    np.testing.assert_allclose(np.asarray(adv).reshape(-1)[live], subset, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(adv)[~np.asarray(mask)], 0.0)
+    assert int(metrics["zero_variance_groups"]) == int(subset_metrics["zero_variance_groups"]) == 1
+    # Whatever the masked samples hold, nothing changes.
+    poked, _ = fn(jnp.where(mask, rewards, 1e3), mask=mask)
+    np.testing.assert_array_equal(poked, adv)
+
+
+def test_zero_variance_groups_count_valid_samples_only():
+    # Group 0's valid rewards agree (the invalid 0 must not make it informative); group 2 has no valid sample.
+    rewards = jnp.array([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0], [3.0, 4.0, 5.0]])
+    mask = jnp.array([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    adv, metrics = adv_lib.grpo_advantages(rewards, mask=mask)
+    assert int(metrics["zero_variance_groups"]) == 1
+    np.testing.assert_array_equal(adv[0], [0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(adv[2], [0.0, 0.0, 0.0])
+
+
+def test_mask_must_match_rewards():
+    with pytest.raises(ValueError, match=r"mask has shape \(5,\)"):
+        adv_lib.grpo_advantages(jnp.ones(6), group_size=3, mask=jnp.ones(5))
+    with pytest.raises(ValueError, match="mask"):
+        adv_lib.reinforce_advantages(jnp.ones(4), mask=jnp.ones((2, 2)))
+
+
+# --------------------------------------------------------------------------- #
+# AdvantageConfig and sequence_advantages (the trainer's entry point)
+# --------------------------------------------------------------------------- #
+def test_advantage_config_choices_are_the_registry():
+    import typing
+
+    hints = typing.get_type_hints(adv_lib.AdvantageConfig)
+    assert typing.get_args(hints["estimator"]) == tuple(adv_lib.ADVANTAGE_ESTIMATORS)
+    assert set(adv_lib.AdvantageConfig.GROUPED) < set(adv_lib.ADVANTAGE_ESTIMATORS)
+    assert "reinforce" not in adv_lib.AdvantageConfig.GROUPED
+
+
+def test_advantage_config_validation_names_the_field():
+    with pytest.raises(ValueError, match=r"advantage.std_min \(0.0\) must be > 0 and <= advantage.std_max"):
+        adv_lib.AdvantageConfig(std_min=0.0)
+    with pytest.raises(ValueError, match=r"advantage.std_min \(2.0\).*advantage.std_max \(1.0\)"):
+        adv_lib.AdvantageConfig(std_min=2.0, std_max=1.0)
+    with pytest.raises(ValueError, match="advantage.estimator='ppo'.*'grpo'"):
+        adv_lib.AdvantageConfig(estimator="ppo")
+
+
+def test_sequence_advantages_grpo_leaves_invalid_samples_out():
+    # Two prompts, G = 3; sample 2 is invalid. GRPO with the sample std (ddof=1):
+    # group 0 over its valid [1, 0]: mean 1/2, std sqrt(1/2) -> +-1/sqrt(2);
+    # group 1 [0, 1, 1]: mean 2/3, std sqrt(1/3) -> (r - 2/3) * sqrt(3).
+    scores = np.array([1.0, 0.0, 1.0, 0.0, 1.0, 1.0], np.float32)
+    valid = np.array([True, True, False, True, True, True])
+    adv, metrics = adv_lib.sequence_advantages(adv_lib.AdvantageConfig(), scores, valid, 3)
+    s = np.sqrt(3.0)
+    assert adv.dtype == np.float32 and adv.shape == (6,)
+    np.testing.assert_allclose(adv, [1 / np.sqrt(2), -1 / np.sqrt(2), 0.0, -2 / 3 * s, 1 / 3 * s, 1 / 3 * s],
+                               rtol=1e-6)
+    assert metrics == {"advantage/zero_variance_group_fraction": 0.0}
+    scores[1] = 1.0  # group 0's valid samples now agree
+    adv, metrics = adv_lib.sequence_advantages(adv_lib.AdvantageConfig(), scores, valid, 3)
+    np.testing.assert_array_equal(adv[:3], [0.0, 0.0, 0.0])
+    assert metrics == {"advantage/zero_variance_group_fraction": 0.5}
+
+
+@pytest.mark.parametrize("x", [0.0, 1.0, 7.0])
+def test_sequence_advantages_batch_estimators_leave_invalid_samples_out(x):
+    valid = np.array([True, True, False, True, True, True])
+    # reinforce: valid [1, 0, 0, 1, 1] has mean 3/5 and population std sqrt(6/25) = sqrt(6)/5.
+    scores = np.array([1.0, 0.0, x, 0.0, 1.0, 1.0], np.float32)
+    adv, metrics = adv_lib.sequence_advantages(adv_lib.AdvantageConfig(estimator="reinforce"), scores, valid, 3)
+    want = np.where(valid, (scores - 0.6) / (np.sqrt(6.0) / 5), 0.0)
+    np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+    assert metrics == {"advantage/zero_variance_group_fraction": 0.0}
+    # reinforce_pp_baseline: the centred values of the test above over a batch std of sqrt(7/30).
+    config = adv_lib.AdvantageConfig(estimator="reinforce_pp_baseline")
+    adv, _ = adv_lib.sequence_advantages(config, scores, valid, 3)
+    centred = np.array([0.5, -0.5, 0.0, -2 / 3, 1 / 3, 1 / 3])
+    np.testing.assert_allclose(adv, centred / np.sqrt(7 / 30), rtol=1e-5, atol=1e-6)

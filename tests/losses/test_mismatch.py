@@ -1,4 +1,4 @@
-"""SPEC section 5: mismatch metrics against numpy float64, corrections on hand-made ratios."""
+"""docs/losses.md#training-inference-mismatch: mismatch metrics against numpy float64, corrections on hand-made ratios."""
 
 import math
 
@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl.losses import corrections as C
 from jaxrl.losses import mismatch as M
 
 
@@ -153,7 +154,7 @@ MASK = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], bool)
 
 
 def test_token_tis():
-    weight, keep, metrics = jax.jit(M.token_tis)(*_from_ratios(RATIOS, MASK))
+    weight, keep, metrics = jax.jit(C.token_tis)(*_from_ratios(RATIOS, MASK))
     np.testing.assert_allclose(weight, [[0.5, 1.0, 2.0, 0.0], [0.4, 1.5, 0.0, 0.0]], rtol=1e-6)
     np.testing.assert_array_equal(keep, MASK)
     np.testing.assert_allclose(metrics["token_tis_clipped_token_frac"], 1 / 5)
@@ -163,7 +164,7 @@ def test_token_tis():
 
 def test_sequence_tis():
     # Sequence ratios: 0.5 * 1 * 3 = 1.5 and 0.4 * 1.5 = 0.6; cap 1.2 clips the first.
-    sequence_tis = jax.jit(M.sequence_tis, static_argnames="cap")
+    sequence_tis = jax.jit(C.sequence_tis, static_argnames="cap")
     weight, keep, metrics = sequence_tis(*_from_ratios(RATIOS, MASK), cap=1.2)
     np.testing.assert_allclose(weight, [[1.2, 1.2, 1.2, 0.0], [0.6, 0.6, 0.0, 0.0]], rtol=1e-6)
     np.testing.assert_array_equal(keep, MASK)
@@ -179,18 +180,18 @@ def test_sequence_tis():
 def test_token_mis_icepop_two_sided():
     ratios = np.array([[0.49, 0.51, 4.9, 5.1, 1.0, 9.0]])
     mask = np.array([[1, 1, 1, 1, 1, 0]], bool)
-    weight, keep, metrics = M.token_mis(*_from_ratios(ratios, mask))  # band [1/2, 5]
+    weight, keep, metrics = C.token_mis(*_from_ratios(ratios, mask))  # band [1/2, 5]
     np.testing.assert_array_equal(keep, [[False, True, True, False, True, False]])
     np.testing.assert_allclose(weight, [[0, 0.51, 4.9, 0, 1.0, 0]], rtol=1e-6)
     np.testing.assert_allclose(metrics["token_mis_masked_token_frac"], 2 / 5)
     np.testing.assert_allclose(metrics["token_mis_masked_seq_frac"], 1.0)
-    _, keep, _ = M.token_mis(*_from_ratios(ratios, mask), c_low=10.0, c_high=2.0)
+    _, keep, _ = C.token_mis(*_from_ratios(ratios, mask), c_low=10.0, c_high=2.0)
     np.testing.assert_array_equal(keep, [[True, True, False, False, True, False]])
 
 
 def test_sequence_mis_masks_whole_sequence():
     # Sequence ratios 1.5 and 0.6; cap 1.2 masks sequence 0 entirely.
-    weight, keep, metrics = M.sequence_mis(*_from_ratios(RATIOS, MASK), cap=1.2)
+    weight, keep, metrics = C.sequence_mis(*_from_ratios(RATIOS, MASK), cap=1.2)
     np.testing.assert_array_equal(keep, [[False] * 4, [True, True, False, False]])
     np.testing.assert_allclose(weight, [[0.0] * 4, [0.6, 0.6, 0, 0]], rtol=1e-6)
     np.testing.assert_allclose(metrics["seq_mis_masked_token_frac"], 3 / 5)
@@ -205,7 +206,7 @@ def test_geo_rs_is_length_invariant():
         [0.997, 0.9995, 1.0, 1.0],       # 2 tokens, geometric mean 0.99825: rejected (lower side)
     ])
     mask = np.array([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], bool)
-    weight, keep, metrics = jax.jit(M.geo_rs)(*_from_ratios(ratios, mask))
+    weight, keep, metrics = jax.jit(C.geo_rs)(*_from_ratios(ratios, mask))
     want = mask & np.array([True, False, True, False])[:, None]
     np.testing.assert_array_equal(keep, want)
     np.testing.assert_array_equal(weight, want.astype(np.float32))
@@ -239,8 +240,8 @@ def test_masked_tokens_change_nothing(batch):
 
     def everything(o, r, t):
         return (M.mismatch_metrics(o, r, mask), M.mismatch_metrics_by_rollout_prob(o, r, mask),
-                M.mismatch_metrics_by_turn(o, r, mask, t), M.token_tis(o, r, mask), M.sequence_tis(o, r, mask),
-                M.token_mis(o, r, mask), M.sequence_mis(o, r, mask), M.geo_rs(o, r, mask, lower=0.8, upper=1.2),
+                M.mismatch_metrics_by_turn(o, r, mask, t), C.token_tis(o, r, mask), C.sequence_tis(o, r, mask),
+                C.token_mis(o, r, mask), C.sequence_mis(o, r, mask), C.geo_rs(o, r, mask, lower=0.8, upper=1.2),
                 M.batch_filter(o, r, mask, threshold=0.01))
 
     run = jax.jit(everything)
@@ -255,18 +256,18 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="rollout_logp"):
         M.mismatch_metrics(x, jnp.zeros((2, 4)), mask)
     with pytest.raises(ValueError, match="old_logp"):
-        M.token_tis(jnp.zeros((2, 3), jnp.int32), x, mask)
+        C.token_tis(jnp.zeros((2, 3), jnp.int32), x, mask)
     with pytest.raises(ValueError, match="mask"):
-        M.sequence_mis(x, x, jnp.ones((3,)))
+        C.sequence_mis(x, x, jnp.ones((3,)))
     with pytest.raises(ValueError, match="turn_ids"):
         M.mismatch_metrics_by_turn(x, x, mask, jnp.zeros((2, 3)))
     with pytest.raises(ValueError, match="edges"):
         M.mismatch_metrics_by_rollout_prob(x, x, mask, edges=(0.5, 0.1))
     with pytest.raises(ValueError, match="cap"):
-        M.sequence_tis(x, x, mask, cap=0.0)
+        C.sequence_tis(x, x, mask, cap=0.0)
     with pytest.raises(ValueError, match="c_low"):
-        M.token_mis(x, x, mask, c_low=0.5, c_high=1.5)
+        C.token_mis(x, x, mask, c_low=0.5, c_high=1.5)
     with pytest.raises(ValueError, match="lower"):
-        M.geo_rs(x, x, mask, lower=1.1, upper=1.0)
+        C.geo_rs(x, x, mask, lower=1.1, upper=1.0)
     with pytest.raises(ValueError, match="metric"):
         M.batch_filter(x, x, mask, threshold=1.0, metric="vllm_kl")

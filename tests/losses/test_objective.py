@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import typing
 import warnings
 
 import jax
@@ -179,6 +180,29 @@ def test_config_loads_from_a_mapping_and_validates():
         from_dict(ObjectiveConfig, {"policy_loss": "ppo2"})
     with pytest.warns(UserWarning, match="does not regularise"):
         ObjectiveConfig(kl_kind="k1-as-loss", kl_coef=0.1)
+
+
+def test_config_choices_are_the_registries():
+    """The YAML loader reads the Literal annotations; the checks read the registries: they agree."""
+    hints = typing.get_type_hints(ObjectiveConfig)
+    registries = {
+        "policy_loss": tuple(losses.policy.POLICY_LOSSES),
+        "aggregation": losses.policy.AGGREGATION_MODES,
+        "kl_kind": ("none",) + losses.kl.KL_REGULARIZERS,
+        "entropy_control": losses.objective.ENTROPY_CONTROLS,
+        "mismatch_correction": losses.objective.MISMATCH_CORRECTIONS,
+    }
+    for field, names in registries.items():
+        assert typing.get_args(hints[field]) == names, field
+    assert losses.objective.KL_KINDS == registries["kl_kind"]
+
+
+def test_icepop_is_token_mis():
+    data = _batch(2)
+    token_mis = _run(ObjectiveConfig(mismatch_correction="token-mis", mis_c_low=1.5, mis_c_high=1.5), data)
+    icepop = _run(ObjectiveConfig(mismatch_correction="icepop", mis_c_low=1.5, mis_c_high=1.5), data)
+    assert float(token_mis[0]) == float(icepop[0])
+    assert float(icepop[1]["token_mis_masked_token_frac"]) > 0
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,7 @@ import torch
 import transformers
 from flax import nnx
 
-from jaxrl.models import (Decoder, MeshConfig, ModelConfig, load_hf_checkpoint, make_mesh, save_hf_checkpoint,
-                          shard_model)
+from jaxrl.models import MeshConfig, ModelConfig, load_hf_checkpoint, make_mesh, save_hf_checkpoint, shard_model
 from jaxrl.models import linear_attention as la
 from jaxrl.models import linear_layers as ll
 from jaxrl.models.layers import Attention

@@ -49,3 +49,12 @@ def test_hf_config_round_trip(hf):
 def test_other_architecture_is_named():
     with pytest.raises(ValueError, match="'llama'.*LlamaForCausalLM"):
         ModelConfig.from_hf({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+
+
+def test_decoder_maps_exactly_the_config_names():
+    """ModelConfig validates names against its tuples; the decoder maps the same names to classes and policies."""
+    from jaxrl.models import config, decoder
+
+    assert tuple(decoder.ATTENTION_KINDS) == config.ATTENTION_KIND_NAMES
+    assert tuple(decoder.REMAT_POLICIES) == config.REMAT_POLICY_NAMES
+

@@ -55,7 +55,7 @@ def test_bfloat16_compute_keeps_float32_residual_and_head(state):
     f32 = with_config(state, CONFIG)
     bf16 = with_config(state, CONFIG.replace(dtype="bfloat16"))
     run = nnx.jit(lambda m: (m(IDS, POSITIONS, capture=True), m.logits(IDS, POSITIONS)))
-    (out32, logits32), (out16, logits16) = run(f32), run(bf16)
+    (_, logits32), (out16, logits16) = run(f32), run(bf16)
     for name in ("embed", "layers.1.out", "final_norm"):
         assert out16.activations[name].dtype == jnp.float32, name
     assert logits16.dtype == jnp.float32
