@@ -25,8 +25,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from jaxrl.align.check import collect, learner_logprobs  # noqa: E402
+from jaxrl.align.check import collect  # noqa: E402
 from jaxrl.models import ModelConfig  # noqa: E402
+from jaxrl.models.scoring import sequence_logprobs  # noqa: E402
 from jaxrl.rollout.base import SamplingParams  # noqa: E402
 from jaxrl.rollout.sampler import JaxSampler  # noqa: E402
 from jaxrl.rollout.sglang import SGLangEngine, ServerConfig, ServerManager  # noqa: E402
@@ -44,7 +45,7 @@ def tokens_per_s(engine, prompts, params, repeats):
 
 def max_abs_diff_to_learner(engine, model, prompts, params):
     batch = collect(engine, prompts, params)
-    learner = learner_logprobs(model, batch.token_ids, batch.lengths)
+    learner = sequence_logprobs(model, batch.token_ids, batch.lengths)
     mask = batch.model_mask.astype(bool)
     return float(np.max(np.abs(learner[mask] - batch.rollout_logprobs[mask])))
 

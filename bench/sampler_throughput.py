@@ -19,10 +19,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxrl.align.check import collect, learner_logprobs
+from jaxrl.align.check import collect
 from jaxrl.align.metrics import build_report
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.decoder import Decoder
+from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.rollout.base import SamplingParams
 from jaxrl.rollout.sampler import JaxSampler
 
@@ -76,8 +77,8 @@ def main() -> None:
 
     sampler = JaxSampler(model, max_cache_len=4096, max_batch=args.prompts)
     batch = collect(sampler, prompts, params)
-    learner_logprobs(model, batch.token_ids, batch.lengths)  # compile
-    scored, recompute = timed(lambda: learner_logprobs(model, batch.token_ids, batch.lengths))
+    sequence_logprobs(model, batch.token_ids, batch.lengths)  # compile
+    scored, recompute = timed(lambda: sequence_logprobs(model, batch.token_ids, batch.lengths))
     print(f"learner recompute of the batch (one prefill): {recompute:.3f} s = "
           f"{recompute / results[args.prompts]:.3f} x generation time")
     overall = build_report(batch.with_learner_logprobs(scored))["overall"]

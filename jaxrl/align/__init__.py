@@ -1,7 +1,7 @@
 """The logprob-alignment checker: does a rollout engine assign the learner's probabilities?
 
 Library API: ``AlignmentBatch`` (the compared batch and its .npz dump),
-``build_report`` / ``format_summary`` (SPEC section 5 metrics), ``Gate``,
+``build_report`` / ``format_summary`` (docs/alignment.md#metrics metrics), ``Gate``,
 ``write_report`` (JSON, text, PNGs), ``jaxrl.align.check`` (run an engine and
 the learner) and ``jaxrl.align.localize`` (module-by-module activation diffs).
 """

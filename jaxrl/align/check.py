@@ -2,26 +2,24 @@
 
 ``collect(engine, prompts, params, n)`` turns an engine's samples into an
 ``AlignmentBatch``; ``score_with_learner(model, batch)`` adds the learner's
-recompute of the same tokens (``Decoder.token_logprobs``, the function the
-trainer uses for ``old_logp``); ``check_engine`` does both and writes the report.
+recompute of the same tokens (``jaxrl.models.scoring.sequence_logprobs``, the path
+the trainer uses for ``old_logp``); ``check_engine`` does both and writes the report.
 Works with any ``RolloutEngine`` (the embedded sampler, SGLang).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxrl.align.dump import AlignmentBatch
 from jaxrl.align.gate import Gate, GateResult
 from jaxrl.align.metrics import DEFAULT_RATIO_BAND, build_report
 from jaxrl.align.report import write_report
+from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.rollout.base import Conversation, RolloutEngine, SamplingParams
 
 
@@ -36,33 +34,11 @@ def collect(engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: Sam
     return AlignmentBatch.from_conversations(conversations, meta=meta)
 
 
-@partial(jax.jit, static_argnums=(0,))
-def _learner_logprobs(graphdef, state, token_ids, lengths):
-    model = nnx.merge(graphdef, state)
-    batch, length = token_ids.shape
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
-    targets = jnp.roll(token_ids, -1, axis=1)
-    logp, _, _ = model.token_logprobs(token_ids, positions, segment_ids, targets)
-    # logp[:, t] scores token t + 1; shift so that index t scores token t (token-aligned).
-    return jnp.concatenate([jnp.zeros((batch, 1), logp.dtype), logp[:, :-1]], axis=1)
-
-
-def learner_logprobs(model: nnx.Module, token_ids: np.ndarray, lengths: np.ndarray,
-                     mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
-    """The learner's token-aligned logprobs [B, T] float32 of right-padded sequences."""
-    graphdef, state = nnx.split(model)
-    args = (jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32))
-    if mesh is None:
-        return np.asarray(_learner_logprobs(graphdef, state, *args))
-    with jax.set_mesh(mesh):
-        return np.asarray(_learner_logprobs(graphdef, state, *args))
-
-
 def score_with_learner(model: nnx.Module, batch: AlignmentBatch,
                        mesh: jax.sharding.Mesh | None = None) -> AlignmentBatch:
-    """``batch`` with ``learner_logprobs`` recomputed by ``model`` on the same tokens."""
-    return batch.with_learner_logprobs(learner_logprobs(model, batch.token_ids, batch.lengths, mesh))
+    """``batch`` with ``learner_logprobs`` recomputed by ``model`` on the same tokens, through the
+    learner's one scoring path (``jaxrl.models.scoring``, the trainer's ``old_logp``)."""
+    return batch.with_learner_logprobs(sequence_logprobs(model, batch.token_ids, batch.lengths, mesh))
 
 
 def check_engine(engine: RolloutEngine, model: nnx.Module, prompts: Sequence[Sequence[int]],
@@ -73,7 +49,7 @@ def check_engine(engine: RolloutEngine, model: nnx.Module, prompts: Sequence[Seq
 
     With PROCESSED logprobs and temperature != 1 or filtering on, the engine's numbers are of a
     different distribution than the learner's raw recompute: the report then measures that
-    bias (SPEC section 5), not an implementation mismatch; ask for RAW to check alignment.
+    bias (docs/rollouts.md#logprob-kinds), not an implementation mismatch; ask for RAW to check alignment.
     """
     batch = score_with_learner(model, collect(engine, prompts, params, n), mesh)
     if out_dir is None:
@@ -83,4 +59,4 @@ def check_engine(engine: RolloutEngine, model: nnx.Module, prompts: Sequence[Seq
     return batch, report, result
 
 
-__all__ = ["collect", "learner_logprobs", "score_with_learner", "check_engine"]
+__all__ = ["collect", "score_with_learner", "check_engine"]

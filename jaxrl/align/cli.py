@@ -174,7 +174,7 @@ def _parse_mesh(text: str | None):
 
 
 def _external_servers(urls: list[str], model_path: str):
-    from jaxrl.rollout.sglang.server import ExternalServers
+    from jaxrl.rollout.sglang.external import ExternalServers
 
     try:
         return ExternalServers(urls, model_path)

@@ -37,7 +37,7 @@ class AlignmentBatch:
       prompt, tool/environment or padding tokens.
     rollout_logprobs: [B, T] float32, the engine's logprob on model tokens.
     learner_logprobs: [B, T] float32 or None, the learner's recompute of the
-      same tokens (SPEC section 5 ``old_logp``); None until scored.
+      same tokens (docs/losses.md#notation ``old_logp``); None until scored.
     turn_ids: [B, T] int32, model turn index from 0 on model tokens, -1 elsewhere.
     prompt_lengths: [B] int32, tokens before the first model token.
     lengths: [B] int32, real (unpadded) tokens per sequence.

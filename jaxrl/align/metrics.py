@@ -1,4 +1,4 @@
-"""Mismatch metrics of SPEC section 5 over an ``AlignmentBatch``: overall, per
+"""Mismatch metrics of docs/alignment.md#metrics over an ``AlignmentBatch``: overall, per
 rollout-probability bucket, per turn; the JSON report and the text summary.
 
 Conventions: per model token ``log_r = learner_logp - rollout_logp`` (learner
@@ -28,7 +28,7 @@ import numpy as np
 from jaxrl.align.dump import AlignmentBatch
 from jaxrl.losses.mismatch import DEFAULT_PROB_EDGES
 
-# Decades from 1e-8 to 1, plus everything below 1e-8 (SPEC: "log-spaced bins down to 1e-8").
+# Decades from 1e-8 to 1, plus everything below 1e-8 (docs/losses.md#mismatch-metrics: log-spaced bins down to 1e-8).
 DEFAULT_BUCKET_EDGES: tuple[float, ...] = DEFAULT_PROB_EDGES
 DEFAULT_RATIO_BAND: tuple[float, float] = (0.5, 2.0)
 
@@ -101,7 +101,7 @@ def _pearson(x: np.ndarray, y: np.ndarray) -> float:
 
 def group_metrics(view: TokenView, ratio_band: tuple[float, float] = DEFAULT_RATIO_BAND,
                   sequence_level: bool = True) -> dict[str, float]:
-    """Every SPEC section 5 statistic over the tokens of ``view``.
+    """Every docs/alignment.md#metrics statistic over the tokens of ``view``.
 
     k1 = mean(-log_r), k2 = mean(log_r^2 / 2), k3 = mean(exp(log_r) - log_r - 1)
     estimate KL(rollout || learner) from rollout samples (k3 is the blog's vllm-kl);

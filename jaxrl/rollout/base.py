@@ -3,7 +3,7 @@
 Token in, token out: prompts and conversations are token ids, never text, so the
 learner scores exactly the tokens the engine produced.
 
-Which distribution the returned logprobs belong to (SPEC section 5):
+Which distribution the returned logprobs belong to (docs/rollouts.md#logprob-kinds):
 - ``LogprobKind.RAW``: ``log_softmax(logits)`` at temperature 1, no top-k/top-p
   filtering. This is what the learner recomputes, so it is the right
   ``rollout_logp`` for mismatch metrics and TIS/MIS corrections.
@@ -144,6 +144,16 @@ class Conversation:
             turn_ids=np.concatenate([self.turn_ids, np.full(n, -1, np.int32)]),
             rollout_logprobs=np.concatenate([self.rollout_logprobs, np.zeros(n, np.float32)]),
         )
+
+
+class PushVerificationError(RuntimeError):
+    """A weight push that cannot be verified to have taken effect: the engine reports another
+    weight version, or its logprobs differ from the learner's. The message names the
+    server/version and what differed.
+
+    Raised rather than trained through: samples from weights other than the learner's would
+    bias every update that follows, silently.
+    """
 
 
 class RolloutEngine(abc.ABC):

@@ -42,8 +42,8 @@ measured with jax 0.10.2); attention likewise reduces over the cache length in
 decode but over the sequence in the recompute. ``jaxrl align localize --path
 decode`` shows the first difference at ``layers.0.attn``, about 2e-7 relative,
 staying at that level through the layers; engine-vs-recompute max |dlogp| is
-about 1e-6 and k3 about 1e-13 (tests/rollout/test_sampler.py, the README's
-"Alignment checker" section, bench/sampler_throughput.py).
+about 1e-6 and k3 about 1e-13 (tests/rollout/test_sampler.py,
+docs/alignment.md#embedded-sampler-versus-learner, bench/sampler_throughput.py).
 """
 
 from __future__ import annotations

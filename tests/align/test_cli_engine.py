@@ -37,7 +37,7 @@ def test_run_raw_passes_and_processed_bias_fails_the_gate(checkpoint, tmp_path):
     assert report["overall"]["num_tokens"] == 64 and report["gate"]["passed"]
     assert report["meta"]["logprob_kind"] == "raw"
     # PROCESSED logprobs (T=0.7, top-k 8) are of another distribution than the learner's raw
-    # recompute: the checker must see the bias (SPEC section 5, the TRL top-p issue).
+    # recompute: the checker must see the bias (docs/rollouts.md#logprob-kinds, the TRL top-p issue).
     assert main(common + ["--out", str(tmp_path / "proc"), "--logprob-kind", "processed", "--no-figures"]) == 1
     assert main(["report", str(dump), "--out", str(tmp_path / "again"), "--no-figures", "--max-k3", "1e-6"]) == 0
 

@@ -3,7 +3,7 @@
 The servers are the session fixtures ``sglang_dense`` (one dense Qwen3 server)
 and ``sglang_moe`` (two Qwen3-MoE servers, routes returned) of tests/conftest.py,
 shared with the other SGLang tests; references are the learner's recompute
-(``jaxrl.align``) and a transformers forward.
+(``jaxrl.models.scoring``) and a transformers forward.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import pytest
 import torch
 import transformers
 
-from jaxrl.align.check import check_engine, learner_logprobs
+from jaxrl.align.check import check_engine
 from jaxrl.models import Decoder
+from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.rollout.base import Conversation, LogprobKind, SamplingParams
-from jaxrl.rollout.sglang import PushConfig, SGLangEngine, WeightPushError
+from jaxrl.rollout.sglang import PushConfig, PushVerificationError, SGLangEngine
 from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
 from jaxrl.rollout.sglang.testing import random_decoder
 
@@ -78,7 +79,7 @@ def test_multi_turn_continues_by_ids_and_matches_the_learner(sglang_dense):
         assert conversation.token_ids[:len(prompt)].tolist() == prompt
         assert len(conversation.token_ids) == len(prompt) + 6 + 2 + 6
         ids = conversation.token_ids[None]
-        learner = learner_logprobs(sglang_dense.model, ids, np.asarray([ids.shape[1]]))[0]
+        learner = sequence_logprobs(sglang_dense.model, ids, np.asarray([ids.shape[1]]))[0]
         mask = conversation.model_mask.astype(bool)
         assert np.max(np.abs(learner[mask] - conversation.rollout_logprobs[mask])) <= ALIGN_TOL
 
@@ -125,7 +126,7 @@ def test_spot_check_catches_a_wrong_push(sglang_dense, tmp_path):
 
     lying = SGLangEngine(sglang_dense.manager, export_fn=lambda params, path: save_hf_checkpoint(wrong, path),
                          push=PushConfig(checkpoint_dir=str(tmp_path)))
-    with pytest.raises(WeightPushError) as err:
+    with pytest.raises(PushVerificationError) as err:
         lying.update_weights(sglang_dense.model, "step-bad")
     message = str(err.value)
     assert sglang_dense.manager.urls[0] in message and "differ from the learner's recompute" in message
@@ -149,7 +150,7 @@ def test_two_servers_serve_one_batch_complete_and_in_order(sglang_moe):
     padded = np.zeros((len(sequences), lengths.max()), np.int32)
     for k, q in enumerate(sequences):
         padded[k, :len(q)] = q
-    learner = learner_logprobs(sglang_moe.model, padded, lengths)
+    learner = sequence_logprobs(sglang_moe.model, padded, lengths)
     for k, s in enumerate(s for row in samples for s in row):
         want = learner[k, len(s.prompt_ids):lengths[k]]
         assert np.max(np.abs(s.output_logprobs - want)) <= ALIGN_TOL, k
@@ -193,5 +194,5 @@ def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_dupl
     # The restarted server serves the same weights: its samples still match the learner.
     row = samples[0]
     ids = np.concatenate([row[0].prompt_ids, row[0].output_ids])[None]
-    want = learner_logprobs(sglang_moe.model, ids, np.asarray([ids.shape[1]]))[0, len(prompts[0]):]
+    want = sequence_logprobs(sglang_moe.model, ids, np.asarray([ids.shape[1]]))[0, len(prompts[0]):]
     assert np.max(np.abs(row[0].output_logprobs - want)) <= ALIGN_TOL

@@ -22,13 +22,13 @@ from jaxrl.rollout.base import LogprobKind, SamplingParams
 from jaxrl.rollout.sglang import (
     ClientConfig,
     PushConfig,
+    PushVerificationError,
     SGLangClient,
     SGLangEngine,
     SGLangRequestError,
     SGLangResponseError,
     ServerConfig,
     ServerManager,
-    WeightPushError,
     decode_routed_experts,
 )
 from jaxrl.rollout.sglang.client import parse_samples
@@ -185,7 +185,7 @@ def test_response_without_logprobs_names_server_request_and_cause(stub_engine):
 
 def test_push_whose_version_does_not_change_is_an_error(stub_engine):
     engine, model = stub_engine
-    with pytest.raises(WeightPushError) as err:
+    with pytest.raises(PushVerificationError) as err:
         engine.update_weights(model, "v1")
     message = str(err.value)
     assert engine.manager.urls[0] in message
@@ -312,7 +312,7 @@ def test_no_server_outlives_a_crashed_trainer(tmp_path, mode):
 # ----- API keys (servers off loopback require one) ------------------------------------------
 
 def test_loopback_is_127_8_ipv6_one_and_localhost_only():
-    from jaxrl.rollout.sglang.server import is_loopback
+    from jaxrl.rollout.sglang.access import is_loopback
 
     for host in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost", "LOCALHOST"):
         assert is_loopback(host), host
@@ -334,7 +334,8 @@ def test_host_and_api_key_validation_name_the_field():
 
 
 def test_off_loopback_without_a_key_generates_one_for_the_launch_only(monkeypatch):
-    from jaxrl.rollout.sglang.server import EXTERNAL_API_KEY_ENV, LAUNCH_API_KEY_ENV
+    from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV
+    from jaxrl.rollout.sglang.processes import LAUNCH_API_KEY_ENV
 
     monkeypatch.setenv(LAUNCH_API_KEY_ENV, "stale")  # from some outer process: never forwarded as is
     monkeypatch.setenv(EXTERNAL_API_KEY_ENV, "an-external-fleets-key")
@@ -397,7 +398,7 @@ def test_generated_key_reaches_sglang_as_api_key_but_no_command_line_or_log(tmp_
 
     import requests
 
-    from jaxrl.rollout.sglang.server import EXTERNAL_API_KEY_ENV
+    from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV
 
     record = tmp_path / "record.json"
     config = ServerConfig(model_path=str(tmp_path / "model"), host="0.0.0.0", base_port=free_port(),
@@ -420,7 +421,7 @@ def test_a_crashed_keyed_server_s_log_tail_is_redacted(tmp_path):
     import sys
 
     from jaxrl.rollout.sglang import ServerStartError
-    from jaxrl.rollout.sglang.server import REDACTED
+    from jaxrl.rollout.sglang.access import REDACTED
 
     config = ServerConfig(model_path=str(tmp_path / "model"), api_key="s3cret-key-for-the-log",
                           base_port=free_port(), python=sys.executable, log_dir=str(tmp_path / "logs"),

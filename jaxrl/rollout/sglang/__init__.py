@@ -1,8 +1,13 @@
-"""SGLang rollouts: server fleet manager, HTTP client and the ``RolloutEngine`` on top.
+"""SGLang rollouts: server fleets, HTTP client, weight push and the ``RolloutEngine`` on top.
 
 The trainer's environment talks to SGLang over HTTP only and never imports it.
+
+Modules: ``fleet`` (the ``Fleet`` protocol the engine talks to), ``server`` (fleets jaxrl
+starts: ``ServerManager``), ``external`` (fleets started elsewhere: ``ExternalServers``),
+``client`` (HTTP), ``push`` (``WeightPusher``: export, load, verify, prune), ``engine``.
 """
 
+from jaxrl.rollout.base import PushVerificationError
 from jaxrl.rollout.sglang.client import (
     ClientConfig,
     SGLangClient,
@@ -10,13 +15,15 @@ from jaxrl.rollout.sglang.client import (
     SGLangResponseError,
     decode_routed_experts,
 )
-from jaxrl.rollout.sglang.engine import PushConfig, SGLangEngine, WeightPushError
-from jaxrl.rollout.sglang.server import (ExternalFleetConfig, ExternalServers, ServerConfig, ServerManager,
-                                          ServerStartError)
+from jaxrl.rollout.sglang.engine import SGLangEngine
+from jaxrl.rollout.sglang.external import ExternalFleetConfig, ExternalServers
+from jaxrl.rollout.sglang.fleet import Fleet
+from jaxrl.rollout.sglang.push import PushConfig
+from jaxrl.rollout.sglang.server import ServerConfig, ServerManager, ServerStartError
 
 __all__ = [
-    "ClientConfig", "PushConfig", "SGLangClient", "SGLangEngine", "SGLangRequestError",
-    "SGLangResponseError", "ExternalFleetConfig", "ExternalServers", "ServerConfig", "ServerManager",
-    "ServerStartError", "WeightPushError",
+    "ClientConfig", "Fleet", "PushConfig", "PushVerificationError", "SGLangClient", "SGLangEngine",
+    "SGLangRequestError", "SGLangResponseError", "ExternalFleetConfig", "ExternalServers", "ServerConfig",
+    "ServerManager", "ServerStartError",
     "decode_routed_experts",
 ]

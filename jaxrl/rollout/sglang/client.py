@@ -16,6 +16,7 @@ import numpy as np
 import requests
 
 from jaxrl.rollout.base import LogprobKind, Sample, SamplingParams
+from jaxrl.rollout.sglang.access import auth_headers
 
 
 class SGLangRequestError(RuntimeError):
@@ -74,7 +75,7 @@ class SGLangClient:
             raise ValueError("SGLangClient: urls is empty; expected at least one server URL")
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.config = config
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = auth_headers(api_key)
         self._on_failure = on_failure
         self._describe = describe or (lambda i: f"SGLang server {i} at {self.urls[i]}")
         self._local = threading.local()
@@ -140,6 +141,22 @@ class SGLangClient:
             return response.json()
         except ValueError:  # a few admin routes (/flush_cache) answer plain text
             return response.text
+
+    def score(self, server: int, token_ids: list[int]) -> np.ndarray:
+        """SGLang's raw logprobs of a given sequence (teacher forcing): [L - 1] float32,
+        entry t = log p(token_{t+1} | tokens_{<=t}). ``input_token_logprobs`` are raw
+        (temperature 1, unfiltered) whatever the fleet's logprob_kind."""
+        payload = {"input_ids": token_ids, "return_logprob": True, "logprob_start_len": 0,
+                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        name = f"scoring request ({len(token_ids)} tokens)"
+        response = self.request(server, "POST", "/generate", payload, name)
+        entries = (response.get("meta_info") or {}).get("input_token_logprobs")
+        if entries is None or len(entries) != len(token_ids):
+            raise SGLangResponseError(
+                f"{self._describe(server)}, {name}: expected {len(token_ids)} "
+                f"input_token_logprobs, got {None if entries is None else len(entries)}; check that "
+                "the server honours logprob_start_len (SGLang >= 0.5.23)")
+        return np.asarray([e[0] for e in entries[1:]], np.float32)
 
     def map(self, calls: Sequence[tuple[int, str, str, dict | None, str]]) -> list[Any]:
         """Runs many ``request`` calls concurrently; results in the order given.

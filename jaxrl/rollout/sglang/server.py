@@ -4,11 +4,9 @@ The servers run in their own interpreter (on CPU: ``.venv-sglang``, made by
 ``scripts/setup_sglang_cpu.sh``; on GPUs: wherever ``pip install jaxrl[sglang]``
 put SGLang), so the trainer's process never imports SGLang; it talks HTTP.
 
-Nothing is left behind: every server is a process-group leader that is killed
-as a group on ``stop()``, at interpreter exit (``atexit``), on SIGTERM/SIGHUP,
-and, when the trainer is killed outright (SIGKILL, OOM), by the kernel: the
-server's launcher asks for ``PR_SET_PDEATHSIG`` before SGLang starts, and
-SGLang's own subprocesses do the same towards the launcher.
+Nothing is left behind: ``processes.py`` kills every server's process group on
+``stop()``, at exit, on SIGTERM/SIGHUP, and (through the kernel) when the trainer
+is killed outright.
 
 Access: servers listen on 127.0.0.1 unless ``ServerConfig.host`` says otherwise. Off
 loopback they always require an API key (``ServerConfig.api_key``, else a random one
@@ -21,10 +19,8 @@ every route but ``/health*``, ``/ready*`` and ``/metrics*`` without it (HTTP 401
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import dataclasses
-import ipaddress
 import logging
 import os
 import pathlib
@@ -39,31 +35,17 @@ import time
 import requests
 
 from jaxrl.rollout.base import LogprobKind
+from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, is_loopback, redact, valid_key
+from jaxrl.rollout.sglang.processes import (LAUNCH_API_KEY_ENV, LAUNCHER, forget_at_exit, signal_group,
+                                            stop_at_exit)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 CPU_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 CPU_STAND_IN_DIR = REPO_ROOT / "scripts" / "sglang_cpu"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
-# Where the launcher finds the API key (popped before SGLang starts, so its children never see it).
-LAUNCH_API_KEY_ENV = "JAXRL_SGLANG_LAUNCH_API_KEY"
-# The key of a fleet started outside jaxrl (ExternalServers, `jaxrl align run --server-url`).
-EXTERNAL_API_KEY_ENV = "JAXRL_SGLANG_API_KEY"
-REDACTED = "<api-key redacted>"
 
 log = logging.getLogger(__name__)
-
-# Runs in the server's interpreter before SGLang: die with the thread that
-# started us (prctl PR_SET_PDEATHSIG = 1), and give up at once if that already
-# happened between fork and prctl (then our parent is no longer the trainer).
-_LAUNCHER = (
-    "import ctypes, os, runpy, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
-    "if os.getppid() != int(os.environ['JAXRL_SGLANG_PARENT_PID']): sys.exit(1)\n"
-    f"key = os.environ.pop('{LAUNCH_API_KEY_ENV}', '')\n"
-    "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key', key] if key else [])\n"
-    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
-)
 
 
 class ServerStartError(RuntimeError):
@@ -126,7 +108,7 @@ class ServerConfig:
             bad("model_path", self.model_path, "a Hugging Face checkpoint folder")
         if not isinstance(self.host, str) or not self.host.strip() or any(c.isspace() for c in self.host):
             bad("host", self.host, "a bind address such as 127.0.0.1 (this machine only) or 0.0.0.0")
-        if not _valid_key(self.api_key):
+        if not valid_key(self.api_key):
             raise ValueError("ServerConfig.api_key: expected printable characters without spaces "
                              "(a token such as secrets.token_urlsafe() makes), or \"\" for none")
         if self.num_servers < 1:
@@ -174,9 +156,9 @@ class ServerConfig:
         return self.python or str(CPU_VENV_PYTHON if self.device == "cpu" else sys.executable)
 
     def command(self, port: int, model_path: str, weight_version: str) -> list[str]:
-        """The server's argv (launched through ``_LAUNCHER``); token ids in and out, no tokenizer.
+        """The server's argv (launched through ``processes.LAUNCHER``); token ids in and out, no tokenizer.
         Holds no API key: the launcher adds ``--api-key`` from ``environment(api_key)``."""
-        args = [self.python_executable, "-c", _LAUNCHER, "--model-path", model_path,
+        args = [self.python_executable, "-c", LAUNCHER, "--model-path", model_path,
                 "--weight-version", weight_version, "--host", self.host, "--port", str(port),
                 "--dtype", self.dtype, "--device", self.device,
                 "--skip-tokenizer-init", "--skip-server-warmup"]
@@ -209,26 +191,6 @@ class ServerConfig:
         else:
             env.pop(LAUNCH_API_KEY_ENV, None)
         return env
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost; False for any other address or name (0.0.0.0 included)."""
-    host = host.strip().strip("[]")
-    if host.lower() in ("localhost", "localhost."):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything, so treat it as reachable
-
-
-def _valid_key(key) -> bool:
-    return isinstance(key, str) and all(c.isprintable() and not c.isspace() for c in key)
-
-
-def redact(text: str, api_key: str) -> str:
-    """``text`` with every occurrence of ``api_key`` replaced (SGLang logs its ``server_args``, key included)."""
-    return text.replace(api_key, REDACTED) if api_key else text
 
 
 @dataclasses.dataclass
@@ -264,7 +226,6 @@ class ServerManager:
         self._model_path = config.model_path
         self._weight_version = "default"
         self._open()
-        _install_exit_handlers()
 
     def _open(self) -> None:
         # All servers are spawned from this one long-lived thread: PR_SET_PDEATHSIG
@@ -272,7 +233,7 @@ class ServerManager:
         # must never be the parent.
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sglang-spawner")
         self._stopped = False
-        _LIVE_MANAGERS.add(self)
+        stop_at_exit(self)
 
     # ----- lifecycle -------------------------------------------------------
     def start(self) -> "ServerManager":
@@ -297,12 +258,12 @@ class ServerManager:
         """Stops every server (SIGTERM, then SIGKILL to the group). Idempotent."""
         for server in self._servers:  # all at once, so the grace periods overlap
             if server.process is not None and server.process.poll() is None:
-                _signal_group(server.process, signal.SIGTERM)
+                signal_group(server.process, signal.SIGTERM)
         for server in self._servers:
             self._terminate(server)
         self._stopped = True
         self._spawner.shutdown(wait=False)
-        _LIVE_MANAGERS.discard(self)
+        forget_at_exit(self)
 
     def __enter__(self) -> "ServerManager":
         return self.start()
@@ -378,7 +339,7 @@ class ServerManager:
         """Sends ``sig`` to server ``index``'s whole process group (tests, drills)."""
         process = self._servers[index].process
         if process is not None:
-            _signal_group(process, sig)
+            signal_group(process, sig)
 
     # ----- internals -------------------------------------------------------
     def _log_access(self) -> None:
@@ -460,22 +421,15 @@ class ServerManager:
         if process is None:
             return
         if process.poll() is None:
-            _signal_group(process, signal.SIGTERM)
+            signal_group(process, signal.SIGTERM)
             try:
                 process.wait(self.config.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 pass
         # SGLang's scheduler and detokenizer share the group; kill stragglers too.
-        _signal_group(process, signal.SIGKILL)
+        signal_group(process, signal.SIGKILL)
         process.wait()
         server.process = None
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _tail(path: pathlib.Path, api_key: str = "", lines: int = 25) -> str:
@@ -483,119 +437,3 @@ def _tail(path: pathlib.Path, api_key: str = "", lines: int = 25) -> str:
         return redact("\n".join(path.read_text(errors="replace").splitlines()[-lines:]), api_key)
     except OSError as err:
         return f"(cannot read {path}: {err})"
-
-
-# Strong references: a started manager must be stopped at exit even when the caller dropped it
-# (a weak set let the garbage collector take it first, leaving its servers running).
-_LIVE_MANAGERS: "set[ServerManager]" = set()
-_EXIT_HANDLERS_INSTALLED = False
-
-
-def _stop_all_managers() -> None:
-    for manager in list(_LIVE_MANAGERS):
-        manager.stop()
-
-
-def _on_fatal_signal(signum, frame) -> None:
-    _stop_all_managers()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _install_exit_handlers() -> None:
-    """atexit always; SIGTERM/SIGHUP only from the main thread and only when nobody else handles them."""
-    global _EXIT_HANDLERS_INSTALLED
-    if _EXIT_HANDLERS_INSTALLED:
-        return
-    _EXIT_HANDLERS_INSTALLED = True
-    atexit.register(_stop_all_managers)
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) in (signal.SIG_DFL, None):
-                signal.signal(sig, _on_fatal_signal)
-
-
-@dataclasses.dataclass(frozen=True)
-class ExternalFleetConfig:
-    """What ``SGLangEngine`` reads from a fleet's config when jaxrl did not start the servers."""
-
-    logprob_kind: LogprobKind = LogprobKind.RAW
-    return_routed_experts: bool = False
-
-
-class ExternalServers:
-    """SGLang servers started by someone else (or a router), behind the interface
-    ``SGLangEngine`` uses of a ``ServerManager``: ``urls``, ``num_servers``, ``model_path``,
-    ``weight_version``, ``config``, ``api_key``, ``describe``, ``ensure_running``, ``record_weights``.
-
-    Nothing restarts them (``ensure_running`` is always False), so a request that keeps
-    failing ends with the URL named. How they were started cannot be asked: RAW logprobs
-    need ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` on the server, so ``config.logprob_kind`` is the
-    caller's word, and a wrong one shows up as a mismatch in the alignment report.
-    Construction asks every server's ``/model_info`` and requires one weight version.
-
-    api_key: the key the servers were started with (SGLang ``--api-key``); None reads the
-    environment variable ``JAXRL_SGLANG_API_KEY`` (unset or "": no key), which keeps the
-    key off command lines (``jaxrl align run --server-url`` reads it that way).
-    """
-
-    def __init__(self, urls, model_path: str, config: ExternalFleetConfig = ExternalFleetConfig(),
-                 timeout_s: float = 10.0, api_key: str | None = None):
-        if not urls:
-            raise ValueError("ExternalServers needs at least one server URL")
-        self.urls = tuple(u.rstrip("/") for u in urls)
-        self.config = config
-        self._model_path = model_path
-        from_env = api_key is None
-        self._api_key = os.environ.get(EXTERNAL_API_KEY_ENV, "") if from_env else api_key
-        source = f"${EXTERNAL_API_KEY_ENV}" if from_env else "ExternalServers(api_key=...)"
-        if not _valid_key(self._api_key):
-            raise ValueError(f"{source}: the API key must be printable characters without spaces")
-        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        versions = []
-        for url in self.urls:
-            try:
-                response = requests.get(url + "/model_info", headers=headers, timeout=timeout_s)
-                refused = response.status_code in (401, 403)
-                if not refused:
-                    response.raise_for_status()
-                    versions.append(str(response.json().get("weight_version", "unknown")))
-            except (requests.RequestException, ValueError) as err:
-                raise ValueError(f"{url}: no SGLang server answers GET {url}/model_info "
-                                 f"({type(err).__name__}: {err}); start one "
-                                 "(python -m sglang.launch_server --model-path ...) or check the URL") from None
-            if refused:
-                raise ValueError(
-                    f"{url}: the server refused GET {url}/model_info (HTTP {response.status_code}): "
-                    + (f"it requires an API key; set {source} to the key it was started with (--api-key)"
-                       if not self._api_key else
-                       f"the API key from {source} is not the one it was started with (--api-key)"))
-        if len(set(versions)) > 1:
-            raise ValueError(f"the servers serve different weight versions {dict(zip(self.urls, versions))}; "
-                             "point at servers with the same weights")
-        self._weight_version = versions[0]
-
-    @property
-    def api_key(self) -> str:
-        return self._api_key
-
-    @property
-    def num_servers(self) -> int:
-        return len(self.urls)
-
-    @property
-    def model_path(self) -> str:
-        return self._model_path
-
-    @property
-    def weight_version(self) -> str:
-        return self._weight_version
-
-    def record_weights(self, model_path: str, weight_version: str) -> None:
-        self._model_path, self._weight_version = model_path, weight_version
-
-    def describe(self, index: int) -> str:
-        return f"SGLang server {index} at {self.urls[index]} (started outside jaxrl)"
-
-    def ensure_running(self, index: int) -> bool:
-        return False  # not ours to restart

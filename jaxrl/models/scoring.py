@@ -1,0 +1,102 @@
+"""Learner scoring: the one path by which the learner's logprobs of given tokens are computed.
+
+The trainer's ``old_logp`` / ``ref_logp`` recompute, the alignment checker and the SGLang
+weight-push probe all call :class:`LogprobScorer`, so what the checker proves about the
+learner is what the trainer uses. Two alignments of the same numbers exist:
+
+- *next-token* (the trainer's packed rows): column ``t`` holds ``log p(targets[t])``, the
+  token at position ``t + 1``; inputs are ``input_ids, positions, segment_ids, targets``;
+- *token* (the alignment checker's sequences): column ``t`` holds the logprob of token ``t``
+  itself, column 0 (the first token, which nothing predicts) holds 0.
+
+:func:`next_token_inputs` turns right-padded token sequences into next-token inputs and
+:func:`sequence_logprobs` returns the token-aligned view. Logprobs come from raw logits
+(temperature 1, no filtering) through the chunked LM head (``jaxrl.models.lm_head``), in
+float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxrl.models.sharding import batch_shardings
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk_size", "replicate"))
+def _score(graphdef, params, input_ids, positions, segment_ids, targets, *, chunk_size: int, replicate: bool):
+    model = nnx.merge(graphdef, params)
+    logp, entropy, _ = model.token_logprobs(input_ids, positions, segment_ids, targets, chunk_size=chunk_size)
+    if replicate:  # every process reads the whole result, also when the rows are spread over processes
+        logp, entropy = (jax.lax.with_sharding_constraint(x, PartitionSpec()) for x in (logp, entropy))
+    return logp, entropy
+
+
+class LogprobScorer:
+    """Jitted learner recompute of next-token logprobs and entropy [N, T] float32.
+
+    ``scorer(params, input_ids, positions, segment_ids, targets)`` runs ``rows`` sequences at a
+    time (bounding activation memory; ``None`` = all at once) with any parameter state of the
+    model ``graphdef`` describes (the policy, the frozen reference), placed on ``mesh`` when
+    given, and returns host arrays.
+    """
+
+    def __init__(self, graphdef: Any, mesh: jax.sharding.Mesh | None = None, rows: int | None = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE):
+        self.graphdef, self.mesh, self.rows, self.chunk_size = graphdef, mesh, rows, chunk_size
+
+    def __call__(self, params, input_ids, positions, segment_ids, targets) -> tuple[np.ndarray, np.ndarray]:
+        inputs = (input_ids, positions, segment_ids, targets)
+        n = np.shape(input_ids)[0]
+        rows = n if self.rows is None else min(self.rows, n)
+        logps, entropies = [], []
+        for start in range(0, n, max(rows, 1)):
+            chunk = tuple(np.asarray(x[start:start + rows], np.int32) for x in inputs)
+            if self.mesh is None:
+                logp, entropy = _score(self.graphdef, params, *chunk, chunk_size=self.chunk_size, replicate=False)
+            else:
+                with jax.set_mesh(self.mesh):
+                    chunk = jax.device_put(chunk, batch_shardings(chunk, self.mesh))
+                    logp, entropy = _score(self.graphdef, params, *chunk, chunk_size=self.chunk_size, replicate=True)
+            logps.append(np.asarray(logp, np.float32))
+            entropies.append(np.asarray(entropy, np.float32))
+        return np.concatenate(logps), np.concatenate(entropies)
+
+
+def next_token_inputs(token_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Right-padded sequences ``token_ids`` [B, T] of ``lengths`` [B] tokens -> next-token inputs
+    ``(input_ids, positions, segment_ids, targets)``, each [B, T - 1] int32: row b's first
+    ``lengths[b] - 1`` columns are real (segment id 1), the rest padding (segment id 0)."""
+    token_ids = np.asarray(token_ids, np.int32)
+    batch, length = token_ids.shape
+    positions = np.broadcast_to(np.arange(length - 1, dtype=np.int32), (batch, length - 1))
+    segment_ids = (positions < np.asarray(lengths)[:, None] - 1).astype(np.int32)
+    return token_ids[:, :-1], np.ascontiguousarray(positions), segment_ids, token_ids[:, 1:]
+
+
+def token_aligned(next_token: np.ndarray, fill: Any = 0) -> np.ndarray:
+    """A next-token-aligned per-token array [B, T - 1] -> token-aligned [B, T]: column t + 1
+    holds column t's value, column 0 (the first token, which nothing scores) holds ``fill``."""
+    next_token = np.asarray(next_token)
+    first = np.full((next_token.shape[0], 1), fill, next_token.dtype)
+    return np.concatenate([first, next_token], axis=1)
+
+
+def sequence_logprobs(model: nnx.Module, token_ids: np.ndarray, lengths: np.ndarray,
+                      mesh: jax.sharding.Mesh | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE) -> np.ndarray:
+    """The learner's token-aligned logprobs [B, T] float32 of right-padded sequences (column 0
+    and the padding hold 0): :class:`LogprobScorer` on :func:`next_token_inputs`."""
+    graphdef, params = nnx.split(model)
+    inputs = next_token_inputs(token_ids, lengths)
+    logp, _ = LogprobScorer(graphdef, mesh, chunk_size=chunk_size)(params, *inputs)
+    return token_aligned(np.where(inputs[2] > 0, logp, 0.0).astype(np.float32))
+
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "LogprobScorer", "next_token_inputs", "sequence_logprobs", "token_aligned"]

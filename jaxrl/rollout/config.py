@@ -1,0 +1,84 @@
+"""How a run draws its samples: the rollout section of the config and the engine it builds.
+
+``RolloutConfig`` chooses the engine (the embedded JAX sampler or a fleet of SGLang servers),
+the group sizes and the sampling parameters; ``make_engine`` builds the engine it names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+
+from jaxrl.rollout.base import LogprobKind, RolloutEngine, check_sampling_ranges
+from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangConfig:
+    """The SGLang engine: the server fleet, the weight push (with its probe check) and the HTTP client.
+    ``server.model_path`` is the HF folder the servers start from (the run's initial weights)."""
+
+    server: ServerConfig
+    push: PushConfig = PushConfig()
+    client: ClientConfig = ClientConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How samples are drawn.
+
+    engine: "embedded" (the in-process JAX sampler) or "sglang" (servers configured by the
+    ``sglang`` section; SGLang verifies its own pushes with its probe). prompts_per_step
+    prompts, group_size (G) samples each. logprob_kind: which distribution the engine
+    reports (raw = what the learner recomputes; docs/rollouts.md#logprob-kinds). verify_push: after each
+    weight push the engine must report the new version, and the next batch's engine
+    logprobs must match the learner's recompute within ``push_tolerance`` (max |dlogp|
+    over generated tokens, with raw logprobs; the spot check runs on every sampled token, at no extra cost;
+    SGLang additionally checks its probe sequence inside each push).
+    """
+
+    engine: Literal["embedded", "sglang"] = "embedded"
+    prompts_per_step: int = 8
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    logprob_kind: LogprobKind = LogprobKind.RAW
+    verify_push: bool = True
+    push_tolerance: float = 1e-3
+    sglang: SGLangConfig | None = None
+
+    def __post_init__(self):
+        if self.engine == "sglang" and self.sglang is None:
+            raise ValueError("rollout.engine='sglang' needs a rollout.sglang section (server.model_path at least)")
+        if self.prompts_per_step < 1 or self.group_size < 1:
+            raise ValueError(
+                f"rollout.prompts_per_step ({self.prompts_per_step}) and rollout.group_size "
+                f"({self.group_size}) must be >= 1"
+            )
+        # SamplingParams checks the same, but only after the model loaded and the first rollout began.
+        check_sampling_ranges("rollout", self)
+        if not self.push_tolerance > 0.0:
+            raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
+
+
+def make_engine(rollout: RolloutConfig, model, mesh: jax.sharding.Mesh, max_batch: int) -> tuple[RolloutEngine, Any]:
+    """(engine, server manager or None) for ``rollout.engine``. The embedded sampler reads
+    ``model``'s arrays by reference and decodes up to ``max_batch`` sequences at once; SGLang
+    servers start from ``rollout.sglang.server.model_path``."""
+    if rollout.engine == "sglang":
+        from jaxrl.rollout.sglang import ServerManager, SGLangEngine
+
+        server = rollout.sglang.server
+        if jax.process_count() > 1:
+            # Processes that share a host (one per GPU under SLURM) must not share ports: each
+            # process starts its own servers, so process p takes the block after process p-1's.
+            server = dataclasses.replace(server, base_port=server.base_port + jax.process_index() * server.num_servers)
+        manager = ServerManager(server).start()
+        return SGLangEngine(manager, push=rollout.sglang.push, client=rollout.sglang.client), manager
+    from jaxrl.rollout.sampler import JaxSampler
+
+    return JaxSampler(model, mesh=mesh, max_batch=max_batch), None

@@ -1,0 +1,234 @@
+"""Weight push (docs/rollouts.md#weight-push-and-its-verification, "push the new weights ... and verify the push").
+
+Export the learner's parameters as a Hugging Face checkpoint into a temporary
+folder, rename it into place (a crash never leaves a half-written checkpoint a
+server could load), ``/update_weights_from_disk`` on every server with the new
+``weight_version``, confirm the version in ``/model_info``, then score a fixed
+probe sequence on every server and compare with the learner's own recompute.
+A mismatch is a ``PushVerificationError``.
+
+With several JAX processes (jaxrl.distributed) a push is a collective: the export
+is written once to ``PushConfig.checkpoint_dir`` (which all hosts must see) and
+every process loads it on, and verifies, its own servers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import time
+import uuid
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxrl import distributed
+from jaxrl.rollout.base import PushVerificationError
+from jaxrl.rollout.sglang.client import SGLangClient
+from jaxrl.rollout.sglang.fleet import Fleet
+
+# (params, folder) -> None: writes config.json + safetensors for ``params`` into folder.
+ExportFn = Callable[[Any, str], None]
+# (params, token_ids [L] int) -> [L - 1] float: log p(token_{t+1} | tokens_{<=t}), raw logits, T = 1.
+RecomputeFn = Callable[[Any, np.ndarray], np.ndarray]
+
+
+def export_decoder(model, path: str) -> None:
+    """Default ``ExportFn``: ``jaxrl.models.save_hf_checkpoint`` of the learner's ``Decoder``."""
+    from jaxrl.models import save_hf_checkpoint
+
+    save_hf_checkpoint(model, path)
+
+
+def recompute_decoder(model, token_ids: np.ndarray) -> np.ndarray:
+    """Default ``RecomputeFn``: the learner's one scoring path (``jaxrl.models.scoring``, which the
+    trainer's ``old_logp`` and the alignment checker use too) on one sequence; [L - 1] float32."""
+    from jaxrl.models.scoring import sequence_logprobs
+
+    ids = np.asarray(token_ids, np.int32)[None]
+    return sequence_logprobs(model, ids, np.asarray([ids.shape[1]], np.int32))[0, 1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class PushConfig:
+    """checkpoint_dir: where pushed checkpoints are written (``weights-<version>``);
+    keep_checkpoints: newest pushed checkpoints kept on disk (>= 1: a restarted server reloads the newest);
+    probe_ids: the fixed token sequence scored after every push (>= 2 tokens);
+    probe_atol: largest allowed |engine logprob - learner logprob| on the probe."""
+
+    checkpoint_dir: str = "runs/sglang/checkpoints"
+    keep_checkpoints: int = 2
+    probe_ids: tuple[int, ...] = (1, 7, 23, 3, 29, 5, 12, 8, 30, 2, 31, 17)
+    probe_atol: float = 1e-5
+
+    def __post_init__(self):
+        object.__setattr__(self, "probe_ids", tuple(int(t) for t in self.probe_ids))
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"PushConfig.keep_checkpoints: got {self.keep_checkpoints}, expected >= 1")
+        if len(self.probe_ids) < 2 or min(self.probe_ids) < 0:
+            raise ValueError(f"PushConfig.probe_ids: got {self.probe_ids}, expected >= 2 token ids >= 0")
+        if not self.probe_atol > 0:
+            raise ValueError(f"PushConfig.probe_atol: got {self.probe_atol}, expected > 0")
+
+
+class PushedCheckpoints:
+    """The folder pushed checkpoints live in: each written whole or not at all, the newest
+    ``keep`` kept so that a restarted server can reload the last push."""
+
+    def __init__(self, checkpoint_dir: str, keep: int, export_fn: ExportFn):
+        self.checkpoint_dir = checkpoint_dir
+        self.keep = keep
+        self._export_fn = export_fn
+
+    def write(self, params, version: str) -> pathlib.Path:
+        """Exports ``params`` as ``weights-<version>``; returns that folder."""
+        root = pathlib.Path(self.checkpoint_dir).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"weights-{_safe_name(version)}"
+        if final.exists():
+            raise ValueError(f"SGLangEngine.update_weights: {final} exists already; version "
+                             f"{version!r} was pushed before (versions must be new)")
+        if jax.process_count() > 1:
+            return self._write_shared(params, final, version)
+        temporary = root / f".partial-{_safe_name(version)}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._export_fn(params, str(temporary))
+            _check_exported(temporary)
+            os.rename(temporary, final)
+        finally:
+            shutil.rmtree(temporary, ignore_errors=True)
+        return final
+
+    def _write_shared(self, params, final: pathlib.Path, version: str) -> pathlib.Path:
+        """Several processes: every one calls ``export_fn`` on the same folder (the default export is a
+        collective in which process 0 writes), process 0 renames it into place, and every process
+        then loads it on its own servers, so ``checkpoint_dir`` must be storage all hosts see."""
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        temporary = final.parent / f".partial-{_safe_name(version)}"  # the same name in every process
+        if distributed.is_main_process():
+            shutil.rmtree(temporary, ignore_errors=True)
+        multihost_utils.sync_global_devices(f"jaxrl sglang push {version} begins")
+        try:
+            self._export_fn(params, str(temporary))
+            multihost_utils.sync_global_devices(f"jaxrl sglang push {version} exported")
+            if distributed.is_main_process():
+                _check_exported(temporary)
+                os.rename(temporary, final)
+        finally:
+            if distributed.is_main_process():
+                shutil.rmtree(temporary, ignore_errors=True)
+        multihost_utils.sync_global_devices(f"jaxrl sglang push {version} in place")
+        if not (final / "config.json").is_file():
+            raise FileNotFoundError(
+                f"process {jax.process_index()} cannot see {final / 'config.json'}, which process 0 "
+                "wrote; with several processes PushConfig.checkpoint_dir must be on storage every "
+                "host sees (a shared file system)")
+        return final
+
+    def prune(self, newest: pathlib.Path) -> None:
+        """Deletes all but the ``keep`` newest pushed checkpoints, never ``newest``."""
+        if not distributed.is_main_process():
+            return  # the pushed folders are shared: process 0 prunes them
+        pushed = sorted(newest.parent.glob("weights-*"), key=lambda p: p.stat().st_mtime)
+        for old in pushed[: max(len(pushed) - self.keep, 0)]:
+            if old != newest:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+class WeightPusher:
+    """Pushes the learner's parameters to every server of ``fleet`` (through ``client``) and
+    verifies the push took effect before the fleet is told to keep those weights.
+
+    export_fn / recompute_fn: how to write the learner's parameters as an HF checkpoint
+      and how the learner scores a sequence. The defaults take a ``jaxrl.models.Decoder``.
+    """
+
+    def __init__(self, fleet: Fleet, client: SGLangClient, config: PushConfig = PushConfig(),
+                 export_fn: ExportFn = export_decoder, recompute_fn: RecomputeFn = recompute_decoder):
+        self.fleet = fleet
+        self.config = config
+        self._client = client
+        self._checkpoints = PushedCheckpoints(config.checkpoint_dir, config.keep_checkpoints, export_fn)
+        self._recompute_fn = recompute_fn
+
+    def push(self, params, version: str) -> dict[str, float]:
+        """Pushes ``params`` as ``version`` and verifies it; returns timing metrics.
+
+        Metrics (seconds unless named otherwise): push/export_s (checkpoint
+        write), push/load_s (servers loading it), push/verify_s (version and
+        probe checks), push/total_s, push/probe_max_abs_diff (nats).
+        """
+        start = time.perf_counter()
+        path = self._checkpoints.write(params, version)
+        exported = time.perf_counter()
+        self._load_everywhere(path, version)
+        loaded = time.perf_counter()
+        self._check_versions(version)
+        diff = self._check_probe(params, version)
+        verified = time.perf_counter()
+        self.fleet.record_weights(str(path), version)
+        self._checkpoints.prune(newest=path)
+        return {
+            "push/export_s": exported - start,
+            "push/load_s": loaded - exported,
+            "push/verify_s": verified - loaded,
+            "push/total_s": verified - start,
+            "push/probe_max_abs_diff": diff,
+        }
+
+    def _load_everywhere(self, path: pathlib.Path, version: str) -> None:
+        payload = {"model_path": str(path), "weight_version": version, "flush_cache": True}
+        name = f"weight push of version {version!r} from {path}"
+        calls = [(i, "POST", "/update_weights_from_disk", payload, name)
+                 for i in range(self.fleet.num_servers)]
+        for i, result in enumerate(self._client.map(calls)):
+            if not result.get("success", False):
+                raise PushVerificationError(
+                    f"{self.fleet.describe(i)}: {name} failed: {result.get('message')!r}; check "
+                    "that the checkpoint has the served architecture and parameter names")
+
+    def _check_versions(self, version: str) -> None:
+        infos = self._client.map([(i, "GET", "/model_info", None, f"version check after pushing {version!r}")
+                                  for i in range(self.fleet.num_servers)])
+        for i, info in enumerate(infos):
+            if info.get("weight_version") != version:
+                raise PushVerificationError(
+                    f"{self.fleet.describe(i)} reports weight_version "
+                    f"{info.get('weight_version')!r} after the push of {version!r}; the update "
+                    "did not take effect: check the server log and that /update_weights_from_disk "
+                    "accepts weight_version (SGLang >= 0.5.23)")
+
+    def _check_probe(self, params, version: str) -> float:
+        """Every server's probe logprobs against the learner's; returns the largest difference (nats)."""
+        probe = np.asarray(self.config.probe_ids, np.int32)
+        expected = np.asarray(self._recompute_fn(params, probe), np.float64)
+        if expected.shape != (len(probe) - 1,):
+            raise ValueError(f"recompute_fn returned shape {expected.shape}; expected "
+                             f"({len(probe) - 1},): log p(token t+1 | tokens <= t) of the probe")
+        worst = 0.0
+        for i in range(self.fleet.num_servers):
+            got = self._client.score(i, list(self.config.probe_ids)).astype(np.float64)
+            diff = float(np.max(np.abs(got - expected)))
+            worst = max(worst, diff)
+            if not diff <= self.config.probe_atol:
+                raise PushVerificationError(
+                    f"{self.fleet.describe(i)}: after pushing version {version!r}, the probe's "
+                    f"logprobs differ from the learner's recompute by up to {diff:.3g} nats "
+                    f"(PushConfig.probe_atol={self.config.probe_atol:g}); the server is not "
+                    "serving the learner's weights: check the export (parameter names, dtype, "
+                    "tied embeddings) and the server's --dtype")
+        return worst
+
+
+def _check_exported(folder: pathlib.Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"export_fn wrote no config.json into {folder}; it must write a "
+                         "complete Hugging Face checkpoint (config.json + *.safetensors)")
+
+
+def _safe_name(version: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in version)
