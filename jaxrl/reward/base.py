@@ -1,4 +1,4 @@
-"""The reward-function interface and batch scoring with per-task dispatch (SPEC section 6).
+"""The reward-function interface and batch scoring with per-task dispatch (docs/training.md#rewards).
 
 A reward function maps one sample to a ``RewardResult``:
 

@@ -60,6 +60,7 @@ from multiprocessing.connection import Connection
 from typing import Mapping
 
 from jaxrl.reward.base import Outcome, RewardRouter, call_reward, describe_exception
+from jaxrl.reward.tasks import TaskRewardConfig, build_reward
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,6 @@ def serve(conn: Connection) -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     try:
         tasks = conn.recv()
-        from jaxrl.reward import build_reward
-
         functions = {name: build_reward(task) for name, task in tasks.items()}
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it.
         conn.send(("start_error", describe_exception(e)))
@@ -226,8 +225,6 @@ class SandboxedRewardRouter(RewardRouter):
         timeout_s: float = 10.0,
         start_timeout_s: float = 120.0,
     ):
-        from jaxrl.reward import TaskRewardConfig, build_reward
-
         check_seconds("SandboxedRewardRouter timeout_s", timeout_s)
         check_seconds("SandboxedRewardRouter start_timeout_s", start_timeout_s)
         for name, task in tasks.items():
