@@ -19,8 +19,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl.models import Decoder, MeshConfig, ModelConfig, create_sharded_model, make_mesh, make_train_step
+from jaxrl.models import Decoder, MeshConfig, ModelConfig, create_sharded_model, make_mesh
 from jaxrl.models import layers
+from jaxrl.trainer.update import make_train_step
 
 
 def measure_step(config: ModelConfig, batch_size: int, length: int, run: bool) -> tuple[float, float]:

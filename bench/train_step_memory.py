@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxrl.losses.entropy import token_entropy_from_logits, token_logprobs_from_logits
 from jaxrl.models import Decoder, MeshConfig, ModelConfig, make_mesh
-from jaxrl.models.sharding import abstract_train_state, build_train_step
+from jaxrl.trainer.update import abstract_train_state, build_train_step
 
 
 def chunked_loss(model, batch):

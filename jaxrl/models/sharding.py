@@ -1,4 +1,4 @@
-"""Logical-axis sharding: one rules table, the mesh, sharded model creation, a pjit train step.
+"""Logical-axis sharding: one rules table, the mesh, sharded model creation, batch shardings.
 
 Model code names axes logically ("batch", "embed", "heads", "expert", ...). `LOGICAL_AXIS_RULES`
 is the only place those names meet the mesh axes `data`, `fsdp`, `tensor`, `expert`,
@@ -14,9 +14,7 @@ import math
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -191,123 +189,3 @@ def batch_shardings(batch: Any, mesh: jax.sharding.Mesh) -> Any:
         names = ("batch", "length")[: np.ndim(x)] + (None,) * max(np.ndim(x) - 2, 0)
         return NamedSharding(mesh, logical_to_spec(names, np.shape(x), mesh))
     return jax.tree.map(sharding, batch)
-
-
-@dataclasses.dataclass
-class TrainStep:
-    """A pjit training step over a mesh: `state, metrics = step(state, batch)`.
-
-    `state` is `{"params": nnx.State, "opt_state": optax state, "step": int32}`; it is donated
-    and comes back with the same shardings. A step whose loss, gradient norm or new parameters
-    are not finite leaves the state unchanged and reports `update/nonfinite = 1`;
-    `update/relative_size` is |update| / |params| (both global L2 norms). `loss_fn(model, batch) -> (loss, metrics)` sees the
-    model rebuilt from the params. Build with `make_train_step`.
-    """
-
-    graphdef: Any
-    shardings: Any
-    mesh: jax.sharding.Mesh
-    optimizer: optax.GradientTransformation
-    loss_fn: Callable
-    _compiled: dict = dataclasses.field(default_factory=dict)
-
-    def _step(self, state, batch):
-        def loss_of(params):
-            return self.loss_fn(nnx.merge(self.graphdef, params), batch)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"])
-        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        grad_norm, param_norm = optax.tree.norm(grads), optax.tree.norm(state["params"])
-        # A non-finite loss, gradient or result keeps the old parameters and optimizer state: one bad
-        # batch must not turn the whole model into NaN. The caller sees `update/nonfinite` and decides.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
-
-        def keep(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-        new_state = {"params": keep(params, state["params"]), "opt_state": keep(opt_state, state["opt_state"]),
-                     "step": state["step"] + finite.astype(state["step"].dtype)}
-        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, **{
-            "update/nonfinite": 1.0 - finite.astype(jnp.float32),
-            "update/relative_size": optax.tree.norm(updates) / jnp.maximum(param_norm, 1e-30)})
-        return new_state, metrics
-
-    def jitted(self, batch):
-        """The jitted step for this batch's structure (shardings derived from its shapes)."""
-        key = jax.tree.structure(batch), tuple(np.shape(x) for x in jax.tree.leaves(batch))
-        if key not in self._compiled:
-            replicated = NamedSharding(self.mesh, PartitionSpec())
-            self._compiled[key] = jax.jit(
-                self._step, in_shardings=(self.shardings, batch_shardings(batch, self.mesh)),
-                out_shardings=(self.shardings, replicated), donate_argnums=(0,))
-        return self._compiled[key]
-
-    def __call__(self, state, batch):
-        with jax.set_mesh(self.mesh):
-            return self.jitted(batch)(state, batch)
-
-    def lower(self, state, batch):
-        """`jax.jit(...).lower` of the step, for compiled cost/memory analysis."""
-        with jax.set_mesh(self.mesh):
-            return self.jitted(batch).lower(state, batch)
-
-
-def optimizer_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
-    """Shardings of `optimizer.init(params)`: every sub-tree shaped like the params (moments)
-    is sharded like them; anything else (step counts, scalars) is replicated."""
-    params_structure = jax.tree.structure(params)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(
-        lambda node: param_shardings if jax.tree.structure(node) == params_structure else replicated,
-        jax.eval_shape(optimizer.init, params),
-        is_leaf=lambda node: jax.tree.structure(node) == params_structure)
-
-
-def build_train_step(graphdef, params, optimizer: optax.GradientTransformation, loss_fn: Callable,
-                     mesh: jax.sharding.Mesh) -> TrainStep:
-    """The TrainStep for parameters `params` (real or abstract, e.g. from `nnx.eval_shape`):
-    parameter shardings from their logical axes, optimizer state sharded like them."""
-    param_shardings = state_shardings(params, mesh)
-    with jax.set_mesh(mesh):
-        opt_shardings = optimizer_shardings(optimizer, params, param_shardings, mesh)
-    shardings = {"params": param_shardings, "opt_state": opt_shardings,
-                 "step": NamedSharding(mesh, PartitionSpec())}
-    return TrainStep(graphdef, shardings, mesh, optimizer, loss_fn)
-
-
-def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation, loss_fn: Callable,
-                    mesh: jax.sharding.Mesh):
-    """Shard `model` on `mesh`, initialise the optimizer state sharded like the params.
-
-    Returns (train_step, state). The state holds a sharded copy of the parameters (the caller's
-    model stays valid); optimizer moments are sharded like the parameters (`optimizer_shardings`).
-    """
-    graphdef, params = nnx.split(model, nnx.Param)
-    if len(jax.tree.leaves(nnx.split(model)[1])) != len(jax.tree.leaves(params)):
-        raise ValueError("make_train_step expects a model whose only variables are nnx.Param")
-    step = build_train_step(graphdef, params, optimizer, loss_fn, mesh)
-    # A copy: the state is donated at every step and must not alias the caller's model buffers
-    # (device_put may reuse a buffer even with may_alias=False when the mesh changes).
-    params = jax.tree.map(jnp.copy, params)
-    with jax.set_mesh(mesh):
-        params = jax.device_put(params, step.shardings["params"])
-        opt_state = jax.jit(optimizer.init, out_shardings=step.shardings["opt_state"])(params)
-    state = {"params": params, "opt_state": opt_state, "step": jax.device_put(np.int32(0), step.shardings["step"])}
-    return step, state
-
-
-def abstract_train_state(step: TrainStep, params) -> dict:
-    """ShapeDtypeStructs (with shardings) of the state `step` takes, for `step.lower` without memory."""
-    def spec(x, sharding):
-        if isinstance(x, nnx.Variable):
-            return x.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    def with_shardings(tree, shardings):
-        return jax.tree.map(spec, tree, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-    return {"params": with_shardings(params, step.shardings["params"]),
-            "opt_state": with_shardings(jax.eval_shape(step.optimizer.init, params), step.shardings["opt_state"]),
-            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=step.shardings["step"])}

@@ -1,4 +1,4 @@
-"""The trainer: RL update loop (SPEC section 7), SFT, checkpoints, metrics and plots.
+"""The trainer: RL update loop (docs/training.md#the-rl-update-loop), SFT, checkpoints, metrics and plots.
 
 ``jaxrl train CONFIG [key=value ...] [--resume]`` runs :class:`jaxrl.trainer.rl.RLTrainer`;
 ``jaxrl sft CONFIG ...`` runs :class:`jaxrl.trainer.sft.SFTTrainer`. Modules import lazily

@@ -109,7 +109,7 @@ def _main(prog: str, what: str, argv: Sequence[str], trainer_module: str, traine
 
 
 def train_main(argv: Sequence[str]) -> int:
-    """RL training (SPEC section 7) from a config; prints a JSON summary at the end."""
+    """RL training (docs/training.md#the-rl-update-loop) from a config; prints a JSON summary at the end."""
     return _main("train", "RL post-training from a config", argv, "jaxrl.trainer.rl", "RLTrainer")
 
 

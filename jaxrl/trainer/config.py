@@ -13,21 +13,21 @@ import dataclasses
 from typing import Literal
 
 from jaxrl.data.pipeline import DataConfig
+from jaxrl.losses.advantages import AdvantageConfig
 from jaxrl.losses.objective import ObjectiveConfig
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.sharding import MeshConfig
 from jaxrl.reward import RewardConfig
-from jaxrl.rollout.base import LogprobKind, check_sampling_ranges
-from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig
+from jaxrl.rollout.config import RolloutConfig
 from jaxrl.trainer.checkpoint import CheckpointConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-    """Where the initial weights come from: ``hf_path`` (a transformers Qwen3/Qwen3-MoE folder),
-    else ``init_from`` (an HF folder written by an earlier run, e.g. the SFT warm-up), else a
-    random init of ``architecture`` with ``init_seed``. ``dtype``/``param_dtype``/``remat``
-    override the architecture's."""
+    """Where the initial weights come from: ``hf_path`` (a transformers Qwen3 / Qwen3-MoE /
+    MiniMax / Qwen3-Next folder, e.g. the SFT warm-up's ``checkpoint.export_hf``), else a random
+    init of ``architecture`` with ``init_seed``. ``dtype``/``param_dtype``/``remat`` override the
+    architecture's (``remat``: "none" or one of the model's remat policies)."""
 
     hf_path: str = ""
     architecture: ModelConfig | None = None
@@ -45,77 +45,8 @@ class PolicyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class SGLangConfig:
-    """The SGLang engine: the server fleet, the weight push (with its probe check) and the HTTP client.
-    ``server.model_path`` is the HF folder the servers start from (the run's initial weights)."""
-
-    server: ServerConfig
-    push: PushConfig = PushConfig()
-    client: ClientConfig = ClientConfig()
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """How samples are drawn.
-
-    engine: "embedded" (the in-process JAX sampler) or "sglang" (servers configured by the
-    ``sglang`` section; SGLang verifies its own pushes with its probe). prompts_per_step
-    prompts, group_size (G) samples each. logprob_kind: which distribution the engine
-    reports (raw = what the learner recomputes; SPEC 5). verify_push: after each
-    weight push the engine must report the new version, and the next batch's engine
-    logprobs must match the learner's recompute within ``push_tolerance`` (max |dlogp|
-    over generated tokens, with raw logprobs; the spot check runs on every sampled token, at no extra cost;
-    SGLang additionally checks its probe sequence inside each push).
-    """
-
-    engine: Literal["embedded", "sglang"] = "embedded"
-    prompts_per_step: int = 8
-    group_size: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    logprob_kind: LogprobKind = LogprobKind.RAW
-    verify_push: bool = True
-    push_tolerance: float = 1e-3
-    sglang: SGLangConfig | None = None
-
-    def __post_init__(self):
-        if self.engine == "sglang" and self.sglang is None:
-            raise ValueError("rollout.engine='sglang' needs a rollout.sglang section (server.model_path at least)")
-        if self.prompts_per_step < 1 or self.group_size < 1:
-            raise ValueError(
-                f"rollout.prompts_per_step ({self.prompts_per_step}) and rollout.group_size "
-                f"({self.group_size}) must be >= 1"
-            )
-        # SamplingParams checks the same, but only after the model loaded and the first rollout began.
-        check_sampling_ranges("rollout", self)
-        if not self.push_tolerance > 0.0:
-            raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
-
-
-@dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
-    """estimator: one of the loss library's advantage estimators (SPEC 1); std clip for GRPO."""
-
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline"] = "grpo"
-    std_min: float = 0.1
-    std_max: float = 1e6
-    ddof: Literal[0, 1] = 1
-
-    # Estimators whose baseline is a statistic of the prompt's group of samples.
-    GROUPED = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-
-    def __post_init__(self):
-        if not 0.0 < self.std_min <= self.std_max:
-            raise ValueError(
-                f"advantage.std_min ({self.std_min}) must be > 0 and <= advantage.std_max ({self.std_max}); "
-                f"a zero floor divides a zero-variance group by zero")
-
-
-@dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """The update of SPEC section 7.
+    """The update of docs/training.md#the-rl-update-loop.
 
     mini_batches: S optimizer steps per rollout batch (1 = on-policy). micro_batches: gradient
     accumulation inside each optimizer step (same update as one big batch). Whether ``old_logp``
@@ -233,7 +164,7 @@ class SFTConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run. ``output_dir`` receives metrics, TensorBoard events and plots; checkpoints go
-    to ``checkpoint.directory`` (none when it is empty). ``steps``: RL steps (outer iterations of SPEC 7)."""
+    to ``checkpoint.directory`` (none when it is empty). ``steps``: RL steps (outer iterations of docs/training.md#the-rl-update-loop)."""
 
     output_dir: str
     model: PolicyConfig

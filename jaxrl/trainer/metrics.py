@@ -19,7 +19,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # What the progress bar shows, when present.
-_BAR_KEYS = ("reward/mean", "entropy", "loss", "time/step")
+_BAR_KEYS = ("reward/mean", "recompute/entropy", "update/loss", "time/step")
 
 
 def _scalar(value) -> float | None:

@@ -39,6 +39,15 @@ def _save(fig, path: str) -> str:
     return path
 
 
+# The policy's token entropy: the recompute's (the whole batch, before the update) when the run
+# has one, else the update's (SFT, or RL with objective.bypass).
+ENTROPY_KEYS = ("recompute/entropy", "update/entropy")
+
+
+def entropy_key(rows: Sequence[dict]) -> str:
+    return next((k for k in ENTROPY_KEYS if any(r.get(k) is not None for r in rows)), ENTROPY_KEYS[0])
+
+
 # Divergences of the same kind (>= 0, dimensionless) that read together on one log axis;
 # counts and perplexities logged under mismatch/ would swamp them.
 MISMATCH_PLOT_KEYS = ("mismatch/k3", "mismatch/abs_log_ratio_mean", "mismatch/abs_log_ratio_max",
@@ -64,13 +73,13 @@ def _plot_keys(rows, keys, title, ylabel, path, *, log_y: bool = False) -> str |
 
 
 def fit_run_entropy_law(rows: Sequence[dict], early_fraction: float = 0.5) -> dict | None:
-    """Fits ``R = -a exp(H) + b`` (SPEC section 4) on the first ``early_fraction`` of logged steps.
+    """Fits ``R = -a exp(H) + b`` (docs/losses.md#entropy-performance-law) on the first ``early_fraction`` of logged steps.
 
     Returns ``{a, b, ceiling, rmse, fit_steps, entropy, reward}`` (the last two: every step's
     points), or None when fewer than 2 steps logged entropy and reward or entropy never moved.
     """
-    points = [(r["entropy"], r["reward/mean"]) for r in rows
-              if r.get("entropy") is not None and r.get("reward/mean") is not None]
+    key = entropy_key(rows)
+    points = [(r[key], r["reward/mean"]) for r in rows if r.get(key) is not None and r.get("reward/mean") is not None]
     entropy = np.asarray([p[0] for p in points], np.float32)
     reward = np.asarray([p[1] for p in points], np.float32)
     early = max(2, int(len(points) * early_fraction))
@@ -92,14 +101,14 @@ def plot_run(rows: Sequence[dict], out_dir: str, *, early_fraction: float = 0.5)
     - entropy.png: mean token entropy;
     - mismatch.png: the engine-vs-learner divergences of ``MISMATCH_PLOT_KEYS``, log scale;
     - entropy_law.png: reward vs entropy, the fit ``R = -a exp(H) + b`` on the first
-      ``early_fraction`` of steps (SPEC section 4) and its predicted ceiling ``b - a``.
+      ``early_fraction`` of steps (docs/losses.md#entropy-performance-law) and its predicted ceiling ``b - a``.
     """
     os.makedirs(out_dir, exist_ok=True)
     keys = sorted({k for row in rows for k in row})
     written = {
         "reward": _plot_keys(rows, [k for k in keys if k.startswith(("reward/mean", "heldout/reward"))],
                              "reward", "reward", os.path.join(out_dir, "reward.png")),
-        "entropy": _plot_keys(rows, ["entropy"], "policy entropy (nats/token)", "entropy",
+        "entropy": _plot_keys(rows, [entropy_key(rows)], "policy entropy (nats/token)", "entropy",
                               os.path.join(out_dir, "entropy.png")),
         "mismatch": _plot_keys(rows, [k for k in MISMATCH_PLOT_KEYS if k in keys],
                                "training-inference mismatch (engine vs learner)", "value (log scale)",

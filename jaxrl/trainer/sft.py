@@ -22,23 +22,25 @@ from flax import nnx
 
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.losses.policy import aggregate_loss
-from jaxrl.models import make_mesh, make_train_step, save_hf_checkpoint
+from jaxrl.models import make_mesh, save_hf_checkpoint
 from jaxrl.models.sharding import batch_shardings
-from jaxrl.trainer.common import accumulate, build_model, build_optimizer, pack_sequences
+from jaxrl.trainer.batch import StepBatch, UpdateBatch
+from jaxrl.trainer.model import build_model
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, end_step, open_run
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.plots import plot_run
+from jaxrl.trainer.stages import update_names
+from jaxrl.trainer.update import accumulate, build_optimizer, make_train_step
 
 log = logging.getLogger(__name__)
 
 
-def _sft_micro_loss(model, batch, micro_index):
-    logp, entropy, _ = model.token_logprobs(batch["input_ids"], batch["positions"], batch["segment_ids"],
-                                            batch["targets"])
-    loss = aggregate_loss(-logp, batch["mask"], "token-mean", batch["normalizer"])
-    live = batch["mask"]
+def _sft_micro_loss(model, batch: UpdateBatch, micro_index):
+    logp, entropy, _ = model.token_logprobs(*batch.tokens.model_inputs())
+    live = batch.tokens.mask
+    loss = aggregate_loss(-logp, live, "token-mean", batch.normalizer)
     count = jnp.maximum(jnp.sum(live), 1.0)
     return loss, {"nll": jnp.sum(-logp * live) / count, "entropy": jnp.sum(entropy * live) / count}
 
@@ -115,9 +117,9 @@ class SFTTrainer:
         t0 = time.perf_counter()
         examples = next(self.iterator)
         length = self.config.sft.stages[stage_index].max_length - 1
-        batch = pack_sequences([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
-                               self.tokenizer.pad_token_id)
-        batch["normalizer"] = np.float32(max(batch["mask"].sum(), 1.0))
+        packed = StepBatch.pack([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
+                                self.tokenizer.pad_token_id)
+        (batch,) = packed.mini_batches(1, "token-mean", step)
         # Placed on the mesh here: jit refuses numpy inputs for arrays spread over processes.
         batch = jax.device_put(batch, batch_shardings(batch, self.mesh))
         self.state, metrics = self.train_step(self.state, batch)
@@ -125,10 +127,10 @@ class SFTTrainer:
         self.guard.check(step, metrics)
         self.step = step
         elapsed = time.perf_counter() - t0
-        return {**metrics, **self.guard.metrics(), "lr": float(self.schedule(step - 1)), "sft/stage": stage_index,
-                "sft/max_length": length + 1, "data/bad_rows": self.data_report.bad_rows,
+        return {**update_names(metrics), **self.guard.metrics(), "update/lr": float(self.schedule(step - 1)),
+                "sft/stage": stage_index, "sft/max_length": length + 1, "data/bad_rows": self.data_report.bad_rows,
                 "data/too_long_for_every_stage": self.too_long, "time/step": elapsed,
-                "tokens_per_second": float((batch["segment_ids"] > 0).sum()) / elapsed}
+                "time/tokens_per_second": packed.num_tokens / elapsed}
 
     def model(self):
         return nnx.merge(self.train_step.graphdef, self.state["params"])

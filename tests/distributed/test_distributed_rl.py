@@ -89,13 +89,13 @@ def test_demo_rl_steps_on_two_processes_equal_one_process_with_eight_devices(pro
     two_rows, one_rows = _rows(two / "metrics.jsonl"), _rows(one / "metrics.jsonl")
     assert [r["step"] for r in two_rows] == [r["step"] for r in one_rows] == list(range(1, STEPS + 1))
     own_rows = _rows(two / "process-1" / "metrics.jsonl")
-    assert [(r["step"], r["reward/mean"], r["loss"]) for r in own_rows] == [
-        (r["step"], r["reward/mean"], r["loss"]) for r in two_rows]
+    assert [(r["step"], r["reward/mean"], r["update/loss"]) for r in own_rows] == [
+        (r["step"], r["reward/mean"], r["update/loss"]) for r in two_rows]
     assert sorted(os.listdir(two / "process-1")) == ["metrics.jsonl"]
     for a, b in zip(two_rows, one_rows):
         assert a["reward/mean"] == b["reward/mean"]  # the same samples
-        assert a["grad_norm"] > 0.1
-        for key in ("loss", "grad_norm", "entropy"):
+        assert a["update/grad_norm"] > 0.1
+        for key in ("update/loss", "update/grad_norm", "recompute/entropy"):
             np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
     # The checkpoint the two processes wrote together restores here and equals the one-process run.

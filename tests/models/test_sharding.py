@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxrl.models import (Decoder, MeshConfig, ModelConfig, create_sharded_model, make_mesh, make_train_step,
-                          shard_model)
+from jaxrl.models import Decoder, MeshConfig, ModelConfig, create_sharded_model, make_mesh, shard_model
+from jaxrl.trainer.update import make_train_step
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=8, mlp_types=("moe", "dense"), num_experts=8, num_experts_per_tok=2,

@@ -64,7 +64,7 @@ def _logged_step(folder, step):
 
 
 def _comparable_rows(folder):
-    return [{k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_second"}
+    return [{k: v for k, v in row.items() if not k.startswith("time/")}
             for row in read_jsonl(str(folder / "out" / "metrics.jsonl"))]
 
 

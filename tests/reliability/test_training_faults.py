@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from jaxrl.config import ConfigError, from_dict, load_config
+from jaxrl.rollout.base import PushVerificationError
 from jaxrl.trainer.checkpoint import CheckpointSaveError
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.guard import NonFiniteUpdateError
 from jaxrl.trainer.lifecycle import RunExistsError
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
-from jaxrl.trainer.rl import PushVerificationError, RLTrainer
+from jaxrl.trainer.rl import RLTrainer
 from jaxrl.trainer.sft import SFTTrainer
 
 

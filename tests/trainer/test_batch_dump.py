@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from jaxrl.align.check import learner_logprobs
 from jaxrl.align.cli import main as align_main
 from jaxrl.align.dump import AlignmentBatch
+from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.trainer.rl import RLTrainer
 from test_loop import files, make_config  # noqa: F401  (files is the module's pytest fixture)
 
@@ -17,13 +17,13 @@ def test_dumped_batch_is_token_aligned_and_passes_the_checker(files, tmp_path):
     seen = {}
     update = trainer._update
 
-    def score_then_update(batch, step):
+    def score_then_update(batch, step, skip):
         # The dump is written before the update; score it with the checker's own token-aligned
         # recompute on the same (not yet updated) weights.
         dumped = AlignmentBatch.load(dump_path)
         seen["dumped"] = dumped
-        seen["recomputed"] = learner_logprobs(trainer.model(), dumped.token_ids, dumped.lengths)
-        return update(batch, step)
+        seen["recomputed"] = sequence_logprobs(trainer.model(), dumped.token_ids, dumped.lengths)
+        return update(batch, step, skip)
 
     trainer._update = score_then_update
     try:

@@ -6,21 +6,22 @@ import math
 import numpy as np
 import pytest
 
-from jaxrl.trainer.common import learning_rate_schedule, pack_sequences
+from jaxrl.trainer.batch import StepBatch
 from jaxrl.trainer.config import OptimizerConfig
+from jaxrl.trainer.update import learning_rate_schedule
 
 
 def test_pack_sequences_masks_only_completion_targets():
-    out = pack_sequences([np.array([5, 6, 7]), np.array([8])], [np.array([9, 1]), np.array([2, 3, 1])], 6, 0,
-                         completion_values=[np.array([-0.5, -0.25]), np.array([-1.0, -2.0, -3.0])])
-    np.testing.assert_array_equal(out["input_ids"], [[5, 6, 7, 9, 0, 0], [8, 2, 3, 0, 0, 0]])
-    np.testing.assert_array_equal(out["targets"], [[6, 7, 9, 1, 0, 0], [2, 3, 1, 0, 0, 0]])
+    out = StepBatch.pack([np.array([5, 6, 7]), np.array([8])], [np.array([9, 1]), np.array([2, 3, 1])], 6, 0,
+                         rollout_logp=[np.array([-0.5, -0.25]), np.array([-1.0, -2.0, -3.0])])
+    np.testing.assert_array_equal(out.input_ids, [[5, 6, 7, 9, 0, 0], [8, 2, 3, 0, 0, 0]])
+    np.testing.assert_array_equal(out.targets, [[6, 7, 9, 1, 0, 0], [2, 3, 1, 0, 0, 0]])
     # Position t predicts targets[t]; only targets that are completion tokens count.
-    np.testing.assert_array_equal(out["mask"], [[0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
-    np.testing.assert_array_equal(out["segment_ids"], [[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
-    np.testing.assert_array_equal(out["values"], [[0, 0, -0.5, -0.25, 0, 0], [-1, -2, -3, 0, 0, 0]])
+    np.testing.assert_array_equal(out.mask, [[0, 0, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(out.segment_ids, [[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(out.rollout_logp, [[0, 0, -0.5, -0.25, 0, 0], [-1, -2, -3, 0, 0, 0]])
     with pytest.raises(ValueError, match="sequence 0 has 5 tokens .* allows 4"):
-        pack_sequences([np.array([5, 6, 7])], [np.array([9, 1])], 3, 0)
+        StepBatch.pack([np.array([5, 6, 7])], [np.array([9, 1])], 3, 0)
 
 
 def test_schedules_match_closed_forms():
@@ -49,8 +50,7 @@ def test_cli_reports_config_errors_with_exit_code_2(capsys):
 
 
 def test_invalid_samples_leave_their_group_baseline_and_the_zero_variance_count():
-    from jaxrl.trainer.config import AdvantageConfig
-    from jaxrl.trainer.rl import sequence_advantages
+    from jaxrl.losses.advantages import AdvantageConfig, sequence_advantages
 
     # Two prompts, G = 3; sample 2 is invalid (unparsable). GRPO with the sample std (ddof=1):
     # group 0 over its valid [1, 0]: mean 1/2, std sqrt(1/2) -> +-1/sqrt(2);

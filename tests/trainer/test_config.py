@@ -81,3 +81,15 @@ def test_overrides_do_not_mutate_input():
     data = {"optimizer": {"lr": 1.0}}
     assert apply_overrides(data, ["optimizer.lr=2"]) == {"optimizer": {"lr": 2}}
     assert data == {"optimizer": {"lr": 1.0}}
+
+
+def test_policy_remat_choices_are_the_models_remat_policies():
+    """The trainer's ``model.remat`` Literal (what the YAML loader checks) is the model's registry plus "none"."""
+    import typing
+
+    from jaxrl.models.config import REMAT_POLICY_NAMES
+    from jaxrl.trainer.config import PolicyConfig
+
+    remat = typing.get_type_hints(PolicyConfig)["remat"]
+    choices = next(typing.get_args(arg) for arg in typing.get_args(remat) if typing.get_origin(arg) is Literal)
+    assert choices == ("none", *REMAT_POLICY_NAMES)

@@ -1,6 +1,6 @@
 """Clip-Cov and KL-Cov choose tokens once per optimizer step, so the update ignores the micro-batch split.
 
-SPEC 4 defines ``Cov_i`` over the N masked tokens of the batch and selects ``floor(r * N)`` of
+docs/losses.md#clip-cov-and-kl-cov defines ``Cov_i`` over the N masked tokens of the batch and selects ``floor(r * N)`` of
 them; the trainer's loss (``rl_loss_fn``) must give the same loss and gradient for 1, 2 and 4
 micro-batches of one mini-batch with either control on.
 """
@@ -16,7 +16,8 @@ from flax import nnx
 
 from jaxrl.losses import (ObjectiveConfig, entropy_control_selection, loss_normalizer, token_entropy_from_logits,
                           token_logprobs_from_logits)
-from jaxrl.trainer.rl import rl_loss_fn
+from jaxrl.trainer.batch import StepBatch, UpdateBatch
+from jaxrl.trainer.update import rl_loss_fn
 
 ROWS, LENGTH, PROMPT, VOCAB = 8, 12, 3, 17
 SEED = 5
@@ -75,9 +76,16 @@ def _setup():
     return graphdef, params, _batch(model)
 
 
+def _update_batch(batch):
+    """The trainer's typed mini-batch of the test's arrays."""
+    tokens = StepBatch(**{k: batch[k] for k in (*INPUTS, "mask", "advantages", "old_logp", "rollout_logp")})
+    return UpdateBatch(tokens=tokens, normalizer=batch["normalizer"], key_seed=batch["key_seed"])
+
+
 def _loss_and_grad(objective, graphdef, params, batch, micro_batches):
     loss_fn = rl_loss_fn(objective, seed=SEED, micro_batches=micro_batches, chunk_size=16)
-    value_and_grad = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch), has_aux=True)
+    update_batch = _update_batch(batch)
+    value_and_grad = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), update_batch), has_aux=True)
     (loss, metrics), grad = jax.jit(value_and_grad)(params)
     return float(loss), metrics, jax.tree.leaves(grad)
 

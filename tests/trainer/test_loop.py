@@ -66,7 +66,7 @@ def _run(config, resume=False):
 
 
 def _comparable(rows):
-    return [{k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_second"} for row in rows]
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
 
 def test_resume_reproduces_the_straight_run(files, tmp_path):
@@ -120,8 +120,8 @@ def test_micro_batch_accumulation_equals_one_big_batch(files, tmp_path):
     assert scale > 1e-4  # A real update, far above the tolerance below.
     for a, b in zip(*deltas):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale)
-    assert logged[1]["grad_norm"] == pytest.approx(logged[0]["grad_norm"], rel=1e-5)
-    assert logged[1]["loss"] == pytest.approx(logged[0]["loss"], abs=1e-6)  # ~0 on-policy: advantages sum to 0.
+    assert logged[1]["update/grad_norm"] == pytest.approx(logged[0]["update/grad_norm"], rel=1e-5)
+    assert logged[1]["update/loss"] == pytest.approx(logged[0]["update/loss"], abs=1e-6)  # ~0 on-policy: advantages sum to 0.
 
 
 def exploding_reward(prompt, response, response_ids, row):
@@ -181,7 +181,7 @@ def test_shipped_configs_load_and_errors_name_the_key():
 def test_a_push_that_does_not_load_the_weights_is_caught(files, tmp_path):
     """An engine that bumps its version but keeps sampling the old weights fails the spot check."""
     from jaxrl.rollout.sampler import JaxSampler
-    from jaxrl.trainer.rl import PushVerificationError
+    from jaxrl.rollout.base import PushVerificationError
 
     class StaleSampler(JaxSampler):
         def update_weights(self, params, version):
@@ -220,8 +220,8 @@ def test_sft_length_curriculum_and_response_only_loss(files, tmp_path):
     assert [r["sft/stage"] for r in rows] == [0, 0, 0, 1, 1, 1]
     assert [r["sft/max_length"] for r in rows] == [8, 8, 8, 16, 16, 16]
     # The loss is the mean NLL of response tokens only: it equals the logged response NLL.
-    assert all(r["loss"] == pytest.approx(r["nll"], rel=1e-6) for r in rows)
-    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert all(r["update/loss"] == pytest.approx(r["update/nll"], rel=1e-6) for r in rows)
+    assert rows[-1]["update/loss"] < rows[0]["update/loss"]
 
 
 def test_sft_resume_across_a_stage_boundary(files, tmp_path):

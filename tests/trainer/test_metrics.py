@@ -27,7 +27,7 @@ def test_jsonl_tensorboard_and_resume_truncation(tmp_path):
 def test_plots_and_entropy_law_ceiling(tmp_path):
     # Synthetic run obeying R = -a exp(H) + b with a = 0.5, b = 1.5: ceiling b - a = 1.0.
     entropy = np.linspace(1.0, 0.2, 20)
-    rows = [{"step": i + 1, "entropy": float(h), "reward/mean": float(1.5 - 0.5 * np.exp(h)),
+    rows = [{"step": i + 1, "recompute/entropy": float(h), "reward/mean": float(1.5 - 0.5 * np.exp(h)),
              "mismatch/k3": 1e-6, "heldout/reward": 0.5} for i, h in enumerate(entropy)]
     fit = fit_run_entropy_law(rows)
     assert abs(fit["a"] - 0.5) < 1e-4 and abs(fit["ceiling"] - 1.0) < 1e-4 and fit["fit_steps"] == 10

@@ -1,0 +1,148 @@
+"""The typed batch of one training step, from packing to the optimizer.
+
+:class:`StepBatch` holds the step's sequences packed next-token aligned (column ``t`` holds
+the input token at position ``t`` and scores ``targets[:, t]``, the token at ``t + 1``), and
+gains its per-token arrays stage by stage through ``.replace(...)``: the engine's
+``rollout_logp`` at packing, ``old_logp`` / ``ref_logp`` at the recompute, ``advantages``
+after the reward. It is a frozen pytree, so the same object goes to the host-side stages and,
+sliced by :meth:`StepBatch.mini_batches`, into the jitted update as an :class:`UpdateBatch`.
+:meth:`StepBatch.token_aligned` is the alignment checker's view of the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl.align.dump import AlignmentBatch
+from jaxrl.losses import loss_normalizer
+from jaxrl.models.scoring import token_aligned
+
+# The fields the loss reads; the rest (``generated``, ``prompt_lengths``) stay on the host.
+_UPDATE_FIELDS = ("input_ids", "positions", "segment_ids", "targets", "mask", "rollout_logp", "old_logp", "ref_logp",
+                  "advantages")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's packed sequences, each array [N, T] unless noted.
+
+    input_ids, positions, segment_ids (1 = real token, 0 = padding), targets: int32 model inputs;
+    mask: float32, 1 where the target is a completion token that enters the loss (a sample
+    masked out after its reward, e.g. unparsable, is all zeros);
+    generated: bool, every target the engine generated, masked samples included (the push check
+    and the alignment dump need no reward);
+    rollout_logp: float32, the engine's logprob of each generated target (0 elsewhere);
+    prompt_lengths: int32 [N];
+    old_logp, ref_logp, advantages: float32, filled in by the recompute and advantage stages
+    (``None`` until then, and ``ref_logp`` stays ``None`` when nothing needs the reference).
+    """
+
+    input_ids: Any
+    positions: Any
+    segment_ids: Any
+    targets: Any
+    mask: Any
+    generated: Any = None
+    rollout_logp: Any = None
+    prompt_lengths: Any = None
+    old_logp: Any = None
+    ref_logp: Any = None
+    advantages: Any = None
+
+    @classmethod
+    def pack(cls, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], length: int, pad_id: int,
+             rollout_logp: Sequence[np.ndarray] | None = None) -> "StepBatch":
+        """Right-padded rows ``prompt + completion`` of ``length`` next-token columns.
+
+        ``mask`` and ``generated`` mark the completion's targets; ``rollout_logp[i][j]`` (when
+        given) lands at completion token j's target column. A sequence longer than
+        ``length + 1`` tokens is an error naming it.
+        """
+        n = len(prompts)
+        input_ids = np.full((n, length), pad_id, np.int32)
+        targets = np.full((n, length), pad_id, np.int32)
+        segment_ids = np.zeros((n, length), np.int32)
+        mask = np.zeros((n, length), np.float32)
+        logp = np.zeros((n, length), np.float32) if rollout_logp is not None else None
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            tokens = np.concatenate([np.asarray(prompt, np.int32), np.asarray(completion, np.int32)])
+            if len(tokens) > length + 1:
+                raise ValueError(
+                    f"sequence {i} has {len(tokens)} tokens (prompt {len(prompt)} + completion {len(completion)}) "
+                    f"but the packed length allows {length + 1}; raise the length or lower max_new_tokens")
+            m = len(tokens) - 1
+            input_ids[i, :m], targets[i, :m], segment_ids[i, :m] = tokens[:-1], tokens[1:], 1
+            start = len(prompt) - 1
+            mask[i, start:m] = 1.0
+            if logp is not None:
+                logp[i, start:m] = np.asarray(rollout_logp[i], np.float32)
+        return cls(
+            input_ids=input_ids, positions=np.tile(np.arange(length, dtype=np.int32), (n, 1)),
+            segment_ids=segment_ids, targets=targets, mask=mask, generated=mask > 0, rollout_logp=logp,
+            prompt_lengths=np.asarray([len(p) for p in prompts], np.int32))
+
+    def replace(self, **changes) -> "StepBatch":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def rows(self) -> int:
+        return int(np.shape(self.input_ids)[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) input tokens."""
+        return int((np.asarray(self.segment_ids) > 0).sum())
+
+    def model_inputs(self) -> tuple[Any, Any, Any, Any]:
+        """``(input_ids, positions, segment_ids, targets)``, the learner's scoring inputs."""
+        return self.input_ids, self.positions, self.segment_ids, self.targets
+
+    def mini_batches(self, count: int, aggregation: str, step: int) -> Iterator["UpdateBatch"]:
+        """The ``count`` consecutive row blocks of one step's optimizer updates.
+
+        Each carries the loss's fields only, the normaliser of its own ``mask`` for the
+        ``aggregation`` mode (so every micro-batch split of it gives the same loss) and a key
+        seed unique to (step, block) for anything the loss draws at random.
+        """
+        size = self.rows // count
+        fields = {name: getattr(self, name) for name in _UPDATE_FIELDS}
+        for s in range(count):
+            rows = {name: None if value is None else value[s * size:(s + 1) * size] for name, value in fields.items()}
+            tokens = StepBatch(**rows)
+            yield UpdateBatch(tokens=tokens, normalizer=np.float32(loss_normalizer(aggregation, jnp.asarray(tokens.mask))),
+                              key_seed=np.int32(step * count + s))
+
+    def token_aligned(self, meta: dict) -> AlignmentBatch:
+        """The alignment checker's batch of the same sequences: every per-token array moves one
+        column right (column t describes token t itself); learner logprobs are ``old_logp``."""
+        model_mask = token_aligned(self.generated, False)
+        tokens = token_aligned(self.targets)
+        tokens[:, 0] = np.asarray(self.input_ids)[:, 0]
+        return AlignmentBatch(
+            token_ids=tokens, model_mask=model_mask,
+            rollout_logprobs=token_aligned(np.asarray(self.rollout_logp, np.float32)),
+            learner_logprobs=np.where(model_mask, token_aligned(np.asarray(self.old_logp, np.float32)), 0.0),
+            turn_ids=np.where(model_mask, 0, -1), prompt_lengths=np.asarray(self.prompt_lengths),
+            lengths=np.asarray(self.segment_ids).sum(axis=1) + 1, meta=meta)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class UpdateBatch:
+    """What one optimizer step sees: a mini-batch of rows, its loss normaliser (0-d float32,
+    shared by all its micro-batches), its key seed (0-d int32) and, with Clip-Cov / KL-Cov over
+    several micro-batches, the tokens chosen on the whole mini-batch (``cov_selection``)."""
+
+    tokens: StepBatch
+    normalizer: Any
+    key_seed: Any
+    cov_selection: Any = None
+
+    def replace(self, **changes) -> "UpdateBatch":
+        return dataclasses.replace(self, **changes)
