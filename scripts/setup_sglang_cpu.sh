@@ -5,7 +5,7 @@
 # scripts/sglang_cpu/requirements-cpu.lock and installed without resolution
 # (SGLang's own metadata pins the CUDA torch stack, which must not come in).
 # Idempotent: a stamp of the inputs makes a second run return at once.
-# GPUs do not use this: `pip install -e '.[sglang]'` (README, "SGLang rollouts").
+# GPUs do not use this: `pip install -e '.[sglang]'` (docs/rollouts.md#installing-sglang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-sglang

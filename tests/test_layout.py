@@ -1,0 +1,103 @@
+"""The package layout stays the data's path: layered imports, no loops, modules a reader can hold.
+
+Read with ``ast`` (nothing is imported), so a violation fails here even when no test happens
+to execute the offending import.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxrl"
+
+# Lower layers never import higher ones; packages on the same layer are independent libraries.
+LAYERS = {
+    "jaxrl.errors": 0, "jaxrl.config": 0,
+    "jaxrl.distributed": 1,
+    "jaxrl.losses": 2, "jaxrl.models": 2, "jaxrl.data": 2, "jaxrl.reward": 2,
+    "jaxrl.rollout": 3,
+    "jaxrl.align": 4,
+    "jaxrl.trainer": 5,
+    "jaxrl.demo": 6, "jaxrl.cli": 6,
+}
+MAX_LINES = 450
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(name: str) -> set[str]:
+    """The jaxrl modules ``name`` imports anywhere in its body (function-level imports included)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # ``from pkg import mod`` imports the submodule when there is one.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in MODULES)
+    found.discard(name)
+    return found
+
+
+def _layer(name: str) -> tuple[str, int]:
+    for package, layer in LAYERS.items():
+        if name == package or name.startswith(package + "."):
+            return package, layer
+    raise AssertionError(f"{name} belongs to no layer of tests/test_layout.py LAYERS; add its package there")
+
+
+GRAPH = {name: _imports(name) for name in MODULES if name != "jaxrl"}
+
+
+def test_every_module_has_a_layer():
+    for name in GRAPH:
+        _layer(name)
+
+
+@pytest.mark.parametrize("name", sorted(GRAPH))
+def test_imports_point_down_the_layers(name):
+    package, layer = _layer(name)
+    for target in sorted(GRAPH[name]):
+        target_package, target_layer = _layer(target)
+        if target_package == package:
+            continue
+        assert target_layer < layer, (
+            f"{name} (layer {layer}, {package}) imports {target} (layer {target_layer}, {target_package}): "
+            f"a lower layer must not import a higher one, and packages on one layer are independent")
+
+
+def test_no_import_loop():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(GRAPH.get(name, ())):
+            if state.get(target) == 1:
+                raise AssertionError("import loop: " + " -> ".join(path[path.index(target):] + [target]))
+            if target not in state:
+                visit(target, path + [target])
+        state[name] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_stay_readable(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines (> {MAX_LINES}): split it by theme"
