@@ -70,7 +70,7 @@ class StepBatch:
         segment_ids = np.zeros((n, length), np.int32)
         mask = np.zeros((n, length), np.float32)
         logp = np.zeros((n, length), np.float32) if rollout_logp is not None else None
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             tokens = np.concatenate([np.asarray(prompt, np.int32), np.asarray(completion, np.int32)])
             if len(tokens) > length + 1:
                 raise ValueError(
@@ -86,6 +86,16 @@ class StepBatch:
             input_ids=input_ids, positions=np.tile(np.arange(length, dtype=np.int32), (n, 1)),
             segment_ids=segment_ids, targets=targets, mask=mask, generated=mask > 0, rollout_logp=logp,
             prompt_lengths=np.asarray([len(p) for p in prompts], np.int32))
+
+    @classmethod
+    def from_samples(cls, pairs: Sequence[tuple[Any, Any]], length: int, pad_id: int, valid: np.ndarray) -> "StepBatch":
+        """The batch of a step's ``(example, sample)`` pairs (``example.prompt_ids``,
+        ``sample.output_ids`` and ``sample.output_logprobs``), prompt-major. A sample with
+        ``valid`` False (e.g. unparsable) keeps its tokens (the push check and the alignment dump
+        read them) but leaves the loss's ``mask``."""
+        batch = cls.pack([e.prompt_ids for e, _ in pairs], [s.output_ids for _, s in pairs], length, pad_id,
+                         rollout_logp=[s.output_logprobs for _, s in pairs])
+        return batch.replace(mask=batch.mask * np.asarray(valid)[:, None])
 
     def replace(self, **changes) -> "StepBatch":
         return dataclasses.replace(self, **changes)
@@ -115,8 +125,8 @@ class StepBatch:
         for s in range(count):
             rows = {name: None if value is None else value[s * size:(s + 1) * size] for name, value in fields.items()}
             tokens = StepBatch(**rows)
-            yield UpdateBatch(tokens=tokens, normalizer=np.float32(loss_normalizer(aggregation, jnp.asarray(tokens.mask))),
-                              key_seed=np.int32(step * count + s))
+            normalizer = np.float32(loss_normalizer(aggregation, jnp.asarray(tokens.mask)))
+            yield UpdateBatch(tokens=tokens, normalizer=normalizer, key_seed=np.int32(step * count + s))
 
     def token_aligned(self, meta: dict) -> AlignmentBatch:
         """The alignment checker's batch of the same sequences: every per-token array moves one

@@ -19,7 +19,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # What the progress bar shows, when present.
-_BAR_KEYS = ("reward/mean", "recompute/entropy", "update/loss", "time/step")
+_BAR_KEYS = {"reward": "reward/mean", "entropy": "recompute/entropy", "loss": "update/loss", "time": "time/step"}
 
 
 def _scalar(value) -> float | None:
@@ -93,7 +93,7 @@ class MetricsLogger:
         self._jsonl.flush()
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix({k.split("/")[0]: f"{row[k]:.3g}" for k in _BAR_KEYS if row.get(k) is not None})
+            self._bar.set_postfix({label: f"{row[k]:.3g}" for label, k in _BAR_KEYS.items() if row.get(k) is not None})
         return row
 
     def write(self, message: str) -> None:

@@ -133,7 +133,7 @@ class RLTrainer:
         return self.engine.generate(prompts, self._sampling(seed, temperature), n=n)
 
     def _score(self, examples, samples):
-        flat = [(e, s) for e, group in zip(examples, samples) for s in group]
+        flat = [(e, s) for e, group in zip(examples, samples, strict=True) for s in group]
         responses = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for _, s in flat]
         return self.router.score(
             [e.prompt for e, _ in flat], responses, [s.output_ids.tolist() for _, s in flat],
@@ -169,12 +169,10 @@ class RLTrainer:
         }
 
     def _pack(self, flat, scored) -> tuple[StepBatch, np.ndarray]:
-        """The step's StepBatch and its valid samples: unparsable ones keep their tokens (the push
-        check and the dump read them) but leave the loss's mask."""
+        """The step's StepBatch and which samples enter the loss (all but the unparsable ones when
+        ``reward.mask_unparsable``)."""
         valid = ~scored.unparsable if self.config.reward.mask_unparsable else np.ones(len(flat), bool)
-        batch = StepBatch.pack([e.prompt_ids for e, _ in flat], [s.output_ids for _, s in flat], self.length,
-                               self.tokenizer.pad_token_id, rollout_logp=[s.output_logprobs for _, s in flat])
-        return batch.replace(mask=batch.mask * valid[:, None]), valid
+        return StepBatch.from_samples(flat, self.length, self.tokenizer.pad_token_id, valid), valid
 
     def _dump(self, step: int, batch: StepBatch) -> None:
         """Every ``logging.dump_batch_every`` steps, the batch in the alignment checker's format

@@ -84,20 +84,20 @@ def test_resume_reproduces_the_straight_run(files, tmp_path):
                            resume=True)
     assert other_mesh.step == 2
     assert any(len(x.sharding.device_set) == 2 for x in jax.tree.leaves(other_mesh.state["params"]))
-    for a, b in zip(params_half, _params(other_mesh)):
+    for a, b in zip(params_half, _params(other_mesh), strict=True):
         np.testing.assert_array_equal(a, b)
     other_mesh.close()
     _, params_resumed = _run(make_config(files, tmp_path / "b", steps=4,
                                       checkpoint={**checkpoint, "directory": str(tmp_path / "b" / "ck")}),
                           resume=True)
-    for a, b in zip(params_straight, params_resumed):
+    for a, b in zip(params_straight, params_resumed, strict=True):
         np.testing.assert_array_equal(a, b)
     rows_a = _comparable(read_jsonl(str(tmp_path / "a" / "metrics.jsonl")))
     rows_b = _comparable(read_jsonl(str(tmp_path / "b" / "metrics.jsonl")))
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
     assert rows_a == rows_b
     # The parameters moved: a run that never updated would also "match".
-    assert any(not np.array_equal(a, b) for a, b in zip(initial, params_straight))
+    assert any(not np.array_equal(a, b) for a, b in zip(initial, params_straight, strict=True))
 
 
 def test_micro_batch_accumulation_equals_one_big_batch(files, tmp_path):
@@ -114,14 +114,46 @@ def test_micro_batch_accumulation_equals_one_big_batch(files, tmp_path):
                              objective={"aggregation": "seq-mean-token-mean"},
                              optimizer={"lr": 1.0, "eps": 1.0, "clip_norm": 0.0})
         initial, final = _run(config)
-        deltas.append([b - a for a, b in zip(initial, final)])
+        deltas.append([b - a for a, b in zip(initial, final, strict=True)])
         logged.append(read_jsonl(str(tmp_path / f"m{micro}" / "metrics.jsonl"))[0])
     scale = max(float(np.max(np.abs(d))) for d in deltas[0])
     assert scale > 1e-4  # A real update, far above the tolerance below.
-    for a, b in zip(*deltas):
+    for a, b in zip(*deltas, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale)
     assert logged[1]["update/grad_norm"] == pytest.approx(logged[0]["update/grad_norm"], rel=1e-5)
-    assert logged[1]["update/loss"] == pytest.approx(logged[0]["update/loss"], abs=1e-6)  # ~0 on-policy: advantages sum to 0.
+    # ~0 on-policy: advantages sum to 0.
+    assert logged[1]["update/loss"] == pytest.approx(logged[0]["update/loss"], abs=1e-6)
+
+
+STAGE_PREFIXES = ("rollout/", "reward/", "recompute/", "mismatch/", "mismatch_bucket/", "advantage/", "filter/",
+                  "update/", "push/", "time/", "data/", "heldout/")
+
+
+def test_each_metric_names_its_stage_and_no_stage_overwrites_another(files, tmp_path, monkeypatch):
+    """Every logged key carries its stage's prefix, and keys two stages both measure stay apart:
+    the policy entropy before the update (recompute) and in the loss (update), the batch filter's
+    verdict (filter) and the loss's own report of it (update). Before, ``entropy`` and
+    ``batch_filter_*`` were each written twice per step, the last writer winning."""
+    from jaxrl.trainer import stages
+
+    written = []
+    for name in ("rollout_metrics", "reward_metrics", "recompute", "advantages", "batch_filter_stage", "update_names"):
+        stage = getattr(stages, name)
+
+        def record(*args, _stage=stage, **kwargs):
+            out = _stage(*args, **kwargs)
+            written.append(set(out if isinstance(out, dict) else out[1]))
+            return out
+
+        monkeypatch.setattr(stages, name, record)
+    config = make_config(files, tmp_path / "run", steps=1, update={"mini_batches": 2},
+                         objective={"entropy_coef": 0.01, "batch_filter_threshold": 10.0})
+    _run(config)
+    row = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))[0]
+    assert all(key.startswith(STAGE_PREFIXES) for key in row if key != "step"), sorted(row)
+    assert {"recompute/entropy", "update/entropy", "filter/skip", "update/batch_filter_skip"} <= set(row)
+    assert row["recompute/entropy"] != row["update/entropy"]  # the loss's is the mean over 2 mini-batches
+    assert all(not (a & b) for i, a in enumerate(written) for b in written[i + 1:]), written
 
 
 def exploding_reward(prompt, response, response_ids, row):
@@ -205,7 +237,8 @@ def test_sft_length_curriculum_and_response_only_loss(files, tmp_path):
     from jaxrl.trainer.sft import SFTTrainer
 
     config = make_config(files, tmp_path / "sft", data={"max_response_tokens": 8},
-                         sft={"batch_size": 8, "stages": [{"steps": 3, "max_length": 8}, {"steps": 3, "max_length": 16}]},
+                         sft={"batch_size": 8,
+                              "stages": [{"steps": 3, "max_length": 8}, {"steps": 3, "max_length": 16}]},
                          optimizer={"lr": 1e-2})
     trainer = SFTTrainer(config)
     try:
@@ -245,6 +278,6 @@ def test_sft_resume_across_a_stage_boundary(files, tmp_path):
     straight = sft("straight")
     sft("half")
     resumed = sft("half", resume=True)
-    for a, b in zip(straight, resumed):
+    for a, b in zip(straight, resumed, strict=True):
         np.testing.assert_array_equal(a, b)
     assert [r["sft/stage"] for r in read_jsonl(str(tmp_path / "half" / "metrics.jsonl"))] == [0, 0, 1, 1]

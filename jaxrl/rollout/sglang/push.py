@@ -1,4 +1,4 @@
-"""Weight push (docs/rollouts.md#weight-push-and-its-verification, "push the new weights ... and verify the push").
+"""The SGLang weight push and its verification (docs/rollouts.md#weight-push-and-its-verification).
 
 Export the learner's parameters as a Hugging Face checkpoint into a temporary
 folder, rename it into place (a crash never leaves a half-written checkpoint a
