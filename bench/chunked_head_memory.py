@@ -64,7 +64,7 @@ def execute(fns, shapes) -> None:
         print(f"{name:8s} {(time.perf_counter() - start) / 3 * 1e3:8.1f} ms per forward+backward")
         outputs[name] = jax.tree.map(lambda x: x.astype(jnp.float32), out)
     for label, a, b in zip(("loss", "d_hidden", "d_lm_head"), jax.tree.leaves(outputs["chunked"]),
-                           jax.tree.leaves(outputs["naive"])):
+                           jax.tree.leaves(outputs["naive"]), strict=True):
         err = float(jnp.max(jnp.abs(a - b)))
         scale = float(jnp.max(jnp.abs(b)))
         print(f"{label:9s} max |chunked - naive| = {err:.3e} (max |naive| = {scale:.3e})")

@@ -59,7 +59,8 @@ def main():
     parser.add_argument("--width", type=int, default=256, help="moe_intermediate_size")
     args = parser.parse_args()
     tokens, experts, width = args.batch * args.length, args.experts, args.width
-    print(f"backend {jax.default_backend()}, tokens {tokens}, hidden {args.hidden}, E={experts} experts of width {width}")
+    print(f"backend {jax.default_backend()}, tokens {tokens}, hidden {args.hidden}, "
+          f"E={experts} experts of width {width}")
     common = dict(vocab_size=1024, hidden_size=args.hidden, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=args.hidden // 4)
     dense_flops, dense_ms = measure_step(ModelConfig(**common, intermediate_size=experts * width),
@@ -75,8 +76,8 @@ def main():
         for path, use_ragged_dot in (("ragged_dot", True), ("blocked", False)):
             layers.ragged_dot_is_sparse = lambda use=use_ragged_dot: use  # choose the path for this run
             flops, ms = measure_step(moe, args.batch, args.length, args.time)
-            print(f"{k:>3} {k / experts:>7.4f} {expected:>9.4f} | {path:>14} {flops:>10.4g} {flops / dense_flops:>10.4f} "
-                  f"{ms:>8.1f} {ms / dense_ms:>9.3f}")
+            print(f"{k:>3} {k / experts:>7.4f} {expected:>9.4f} | {path:>14} {flops:>10.4g} "
+                  f"{flops / dense_flops:>10.4f} {ms:>8.1f} {ms / dense_ms:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def hf_tensors(model) -> dict[str, np.ndarray]:
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     tensors = {}
     for m in tensor_maps(model.config):
-        for name, array in zip(m.hf_names, m.save(np.asarray(jax.device_get(flat[m.path][...])))):
+        for name, array in zip(m.hf_names, m.save(np.asarray(jax.device_get(flat[m.path][...]))), strict=True):
             tensors[name] = np.ascontiguousarray(array)
     return tensors
 

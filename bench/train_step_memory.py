@@ -53,8 +53,9 @@ def main():
                          num_kv_heads=4, head_dim=64, dtype=args.dtype, param_dtype="float32")
     gib = 2.0 ** 30
     logits_gib = args.batch * args.length * config.vocab_size * 4 / gib
-    print(f"backend {jax.default_backend()}; V={config.vocab_size}, d={config.hidden_size}, {config.num_layers} layers, "
-          f"B*T={args.batch}x{args.length}, compute {args.dtype}; one float32 [B,T,V] = {logits_gib:.2f} GiB")
+    print(f"backend {jax.default_backend()}; V={config.vocab_size}, d={config.hidden_size}, "
+          f"{config.num_layers} layers, B*T={args.batch}x{args.length}, compute {args.dtype}; "
+          f"one float32 [B,T,V] = {logits_gib:.2f} GiB")
     full, full_parts = peak_bytes(config, full_logits_loss, args.batch, args.length)
     chunked, chunked_parts = peak_bytes(config, chunked_loss, args.batch, args.length)
     for name, peak, parts in (("full [B,T,V] logits", full, full_parts), ("chunked head", chunked, chunked_parts)):

@@ -82,7 +82,7 @@ def _convert(tp, value, key: str):
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(args) != len(value):
                 raise ConfigError(f"{key}: expected {len(args)} items for {_type_name(tp)}, got {value!r}")
-            items = [_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+            items = [_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))]
         else:
             item_tp = args[0] if args else Any
             items = [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -184,7 +184,9 @@ def read_config_file(path: str | os.PathLike) -> dict:
     try:
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"config file {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") from e
+        raise ConfigError(
+            f"config file {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}"
+        ) from e
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -61,7 +61,8 @@ def read_hostfile(path: str) -> list[tuple[str, int | None]]:
             for field in fields[1:]:
                 key, _, value = field.partition("=")
                 if key != "slots" or not value.isdigit() or int(value) < 1:
-                    raise SystemExit(f"{path}:{number}: expected 'HOST' or 'HOST slots=N' (N >= 1), got {raw.strip()!r}")
+                    raise SystemExit(f"{path}:{number}: expected 'HOST' or 'HOST slots=N' (N >= 1), "
+                                     f"got {raw.strip()!r}")
                 slots = int(value)
             hosts.append((fields[0], slots))
     if not hosts:

@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ -f scripts/setup_sglang_cpu.sh ]; then bash scripts/setup_sglang_cpu.sh; fi
+# Lint first: it takes a second and names the file and line (configured in pyproject.toml).
+.venv/bin/ruff check --quiet .
 exec .venv/bin/python -m pytest -q -ra "$@"

@@ -2,10 +2,11 @@
 
 Also the real SGLang servers (CPU, float32, ``.venv-sglang``) as session fixtures, so every
 module that needs one shares it: ``sglang_dense`` (one dense Qwen3 server) and ``sglang_moe``
-(two Qwen3-MoE servers, data parallel, routes returned). The fleets the selected tests use
-start together at the first test that needs one and stop at the end of the session. Models are random ``jaxrl.models.Decoder``s
-written with ``save_hf_checkpoint``. A test that pushes other weights must push the fleet's
-own ``model`` back before it ends: later tests, in any module, expect those weights served.
+(two Qwen3-MoE servers, data parallel, routes returned). The fleets the selected tests use start
+together at the first test that needs one and stop at the end of the session. Models are random
+``jaxrl.models.Decoder``s written with ``save_hf_checkpoint``. A test that pushes other weights
+must push the fleet's own ``model`` back before it ends: later tests, in any module, expect
+those weights served.
 
 ``sglang_dense`` runs with an API key (``ServerConfig.api_key``), so every test on it goes
 through the authenticated path (SGLang ``--api-key``, jaxrl's client sending the Bearer

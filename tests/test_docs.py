@@ -61,4 +61,5 @@ def test_pages_link_inside_the_repository(page):
 def test_code_points_at_nothing_outside_the_repository():
     outside = re.compile(r"\.\./" + "shared|/work/" + "shared")  # split so this file does not match itself
     for path in SOURCES:
-        assert not outside.search(path.read_text(errors="replace")), f"{path.relative_to(ROOT)} points outside the repository"
+        assert not outside.search(path.read_text(errors="replace")), (
+            f"{path.relative_to(ROOT)} points outside the repository")

@@ -198,7 +198,7 @@ class Localization:
                 kinds.setdefault(r.module, []).append((r.layer, r.rel_diff))
         floor = 1e-12  # log axis: exact zeros are drawn at the floor
         for kind, points in kinds.items():
-            layers, rel = zip(*points)
+            layers, rel = zip(*points, strict=True)
             ax.plot(layers, np.maximum(rel, floor), "o-", label=kind)
         ax.axhline(self.rtol, color="red", ls="--", lw=1, label=f"rtol {self.rtol:g}")
         first = self.first_divergent_layer

@@ -153,7 +153,7 @@ def bucket_metrics(view: TokenView, edges=DEFAULT_BUCKET_EDGES,
         raise ValueError(f"bucket edges must be increasing probabilities in [0, 1], got {edges}")
     prob = np.exp(view.rollout)
     rows = []
-    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
         last = i == len(edges) - 2
         keep = (prob >= lo) & ((prob <= hi) if last else (prob < hi))
         rows.append({"low": lo, "high": hi,

@@ -59,7 +59,8 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def encode_prompt(tokenizer, prompt: str, *, use_chat_template: bool = True, system_prompt: str | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: str, *, use_chat_template: bool = True,
+                  system_prompt: str | None = None) -> list[int]:
     """Prompt text -> token ids; with the chat template (user turn + generation prompt) when it has one."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [

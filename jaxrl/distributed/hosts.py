@@ -49,7 +49,7 @@ def global_batch(shardings: Any, local_batch: Any, global_batch_size: int) -> An
         else treedef.flatten_up_to(shardings)
     )
     arrays = []
-    for leaf, sharding in zip(leaves, sharding_leaves):
+    for leaf, sharding in zip(leaves, sharding_leaves, strict=True):
         leaf = np.asarray(leaf)
         global_shape = (global_batch_size,) + leaf.shape[1:]
         expected = len(process_rows(sharding, global_shape))

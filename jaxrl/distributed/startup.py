@@ -202,7 +202,8 @@ def _detect_cluster(config: DistributedConfig) -> tuple[DistributedConfig, str] 
 
     for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001
         name = getattr(env, "name", None)
-        if name is None or config.cluster not in ("auto", name) or (config.cluster == "auto" and env.opt_in_only_method):
+        if (name is None or config.cluster not in ("auto", name)
+                or (config.cluster == "auto" and env.opt_in_only_method)):
             continue
         try:
             present = env.is_env_present()
@@ -288,9 +289,9 @@ def _warn_before_join_timeout(config: DistributedConfig, address: str) -> thread
     def warn():
         print(
             f"jaxrl.distributed: still waiting for {expected} processes to join the coordinator at {address} "
-            f"after {0.9 * config.timeout_s:g} s (timeout {config.timeout_s} s); JAX will stop this process. Check that "
-            f"{expected} processes were launched (--num-processes / {ENV_NUM_PROCESSES} must equal the number "
-            f"launched) and that each has a distinct --process-id / {ENV_PROCESS_ID}.",
+            f"after {0.9 * config.timeout_s:g} s (timeout {config.timeout_s} s); JAX will stop this process. "
+            f"Check that {expected} processes were launched (--num-processes / {ENV_NUM_PROCESSES} must equal "
+            f"the number launched) and that each has a distinct --process-id / {ENV_PROCESS_ID}.",
             file=sys.stderr,
             flush=True,
         )
@@ -372,7 +373,7 @@ def _resolve(config: DistributedConfig) -> tuple[DistributedConfig, str]:
         if resolved.explicit:
             return resolved, name
         missing = ", ".join(flag for flag, value in zip(given, (
-            resolved.coordinator_address, resolved.num_processes, resolved.process_id)) if value is None)
+            resolved.coordinator_address, resolved.num_processes, resolved.process_id), strict=True) if value is None)
         raise ValueError(f"JAX detected a {name} cluster but could not find {missing}; give them explicitly")
     if config.cluster != "auto":
         raise ValueError(

@@ -144,7 +144,8 @@ def grpo_advantages(
     std_max: float = float("inf"),
     ddof: int = 1,
 ) -> tuple[Array, dict[str, Array]]:
-    """GRPO: ``A = (r - mean_g r) / clip(std_g r, std_min, std_max)`` (docs/losses.md#grpo-and-the-std-clip, Rethinking-KL appendix J).
+    """GRPO: ``A = (r - mean_g r) / clip(std_g r, std_min, std_max)``
+    (docs/losses.md#grpo-and-the-std-clip, Rethinking-KL appendix J).
 
     Args:
       rewards: float ``[num_groups, G]``, or ``[B]`` with ``group_size`` or
@@ -211,7 +212,8 @@ def reinforce_advantages(
     std_max: float = float("inf"),
     ddof: int = 0,
 ) -> tuple[Array, dict[str, Array]]:
-    """REINFORCE / REINFORCE++: batch normalisation ``A = (r - mean_B r) / clip(std_B r)`` (docs/losses.md#batch-normalised-estimators).
+    """REINFORCE / REINFORCE++: batch normalisation ``A = (r - mean_B r) / clip(std_B r)``
+    (docs/losses.md#batch-normalised-estimators).
 
     Args:
       rewards: float, any shape (every element is one sample of the batch);
@@ -243,7 +245,8 @@ def reinforce_pp_baseline_advantages(
     std_max: float = float("inf"),
     ddof: int = 0,
 ) -> tuple[Array, dict[str, Array]]:
-    """REINFORCE++-baseline: ``A = batchnorm(r - mean_g r)`` (docs/losses.md#batch-normalised-estimators): group baseline, then batch normalisation.
+    """REINFORCE++-baseline: ``A = batchnorm(r - mean_g r)`` (docs/losses.md#batch-normalised-estimators): group
+    baseline, then batch normalisation.
 
     Shapes and ``mask`` as :func:`grpo_advantages`; the group means and the
     batch statistics run over every element given with mask 1, so pass the
@@ -267,7 +270,8 @@ def gae_advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
 ) -> tuple[Array, Array]:
-    """GAE: ``A_t = sum_l (gamma*lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t+1} - V_t`` (docs/losses.md#gae-with-a-critic, PPO with a critic).
+    """GAE: ``A_t = sum_l (gamma*lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t+1} - V_t``
+    (docs/losses.md#gae-with-a-critic, PPO with a critic).
 
     Masked-out positions (prompt, padding, tool/environment tokens) are skipped:
     the "next" step of a generated token is the next generated token of the same
@@ -347,7 +351,8 @@ _STD_OPTIONS = {"grpo": ("std_min", "std_max", "ddof")}
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-    """estimator: one of the loss library's advantage estimators (docs/losses.md#advantage-estimators); std clip for GRPO."""
+    """estimator: one of the loss library's advantage estimators (docs/losses.md#advantage-estimators);
+    std clip for GRPO."""
 
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline"] = "grpo"
     std_min: float = 0.1

@@ -71,7 +71,8 @@ def token_tis(
 def sequence_tis(
     old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, *, cap: float = 2.0
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Sequence truncated IS: ``w = min(exp(sum_t log_r_t), cap)`` on every token of the sequence (docs/losses.md#mismatch-corrections).
+    """Sequence truncated IS: ``w = min(exp(sum_t log_r_t), cap)`` on every token of the sequence
+    (docs/losses.md#mismatch-corrections).
 
     The blog uses ``cap = 2``. Computed as ``exp(min(log_r, log cap))`` so long
     sequences cannot overflow.
@@ -99,7 +100,8 @@ def token_mis(
     c_low: float = 2.0,
     c_high: float = 5.0,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Token masked IS / IcePop: ``w_t = exp(log_r_t)`` if ``1/c_low <= exp(log_r_t) <= c_high``, else masked (docs/losses.md#mismatch-corrections).
+    """Token masked IS / IcePop: ``w_t = exp(log_r_t)`` if ``1/c_low <= exp(log_r_t) <= c_high``, else masked
+    (docs/losses.md#mismatch-corrections).
 
     Two-sided; the defaults are IcePop's band ``[0.5, 5]``.
 
@@ -125,7 +127,8 @@ def token_mis(
 def sequence_mis(
     old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, *, cap: float = 2.0
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Sequence masked IS: ``w = exp(log_r) * 1[exp(log_r) <= cap]`` on every token (docs/losses.md#mismatch-corrections).
+    """Sequence masked IS: ``w = exp(log_r) * 1[exp(log_r) <= cap]`` on every token
+    (docs/losses.md#mismatch-corrections).
 
     One-sided as in the blog (a small ratio only shrinks the update).
 
@@ -153,7 +156,8 @@ def geo_rs(
     lower: float = 0.999,
     upper: float = 1.001,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Geometric-mean rejection: keep a sequence iff ``lower <= exp(log_r / T_seq) <= upper`` (docs/losses.md#mismatch-corrections).
+    """Geometric-mean rejection: keep a sequence iff ``lower <= exp(log_r / T_seq) <= upper``
+    (docs/losses.md#mismatch-corrections).
 
     ``T_seq`` is the sequence's count of masked tokens, so the band is a
     per-token trust region that does not reject long sequences systematically.

@@ -1,4 +1,5 @@
-"""Token logprobs and entropy from logits, entropy bonus, Clip-Cov / KL-Cov, entropy law (docs/losses.md#entropy-and-its-control).
+"""Token logprobs and entropy from logits, entropy bonus, Clip-Cov / KL-Cov, entropy law
+(docs/losses.md#entropy-and-its-control).
 
 Shapes: ``B`` sequences of ``T`` positions, vocabulary ``V``.
 Every statistic is computed in float32 whatever the input dtype. The model's
@@ -114,7 +115,8 @@ def _masked_mean(x, mask):
 
 
 def centered_cov(logp: jax.Array, advantages: jax.Array, mask: jax.Array) -> jax.Array:
-    """Per-token centred cross-product ``Cov_i = (logp_i - mean logp)(A_i - mean A)`` (docs/losses.md#clip-cov-and-kl-cov).
+    """Per-token centred cross-product ``Cov_i = (logp_i - mean logp)(A_i - mean A)``
+    (docs/losses.md#clip-cov-and-kl-cov).
 
     Means run over the ``N`` masked tokens of the whole batch; ``logp`` is
     detached (the statistic selects tokens, it is not a loss).
@@ -248,7 +250,8 @@ def kl_cov_gap_penalty(
     *,
     beta: float = 1.0,
 ) -> jax.Array:
-    """KL-Cov's per-token term ``beta * |logp - old_logp|`` on the ``selected`` tokens (docs/losses.md#clip-cov-and-kl-cov).
+    """KL-Cov's per-token term ``beta * |logp - old_logp|`` on the ``selected`` tokens
+    (docs/losses.md#clip-cov-and-kl-cov).
 
     The penalty carries gradient through ``logp`` and is added to those tokens'
     per-token loss before aggregation. (verl also drops the PPO clip on the
@@ -281,7 +284,8 @@ def kl_cov_penalty(
     ratio: float = 2e-3,
     beta: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """KL-Cov: ``beta * |logp - old_logp|`` on the top ``floor(ratio * N)`` tokens by ``Cov_i`` (docs/losses.md#clip-cov-and-kl-cov).
+    """KL-Cov: ``beta * |logp - old_logp|`` on the top ``floor(ratio * N)`` tokens by ``Cov_i``
+    (docs/losses.md#clip-cov-and-kl-cov).
 
     :func:`kl_cov_select` then :func:`kl_cov_gap_penalty` on the same tokens.
 

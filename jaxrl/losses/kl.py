@@ -48,23 +48,27 @@ def _log_delta(logp: Array, ref_logp: Array) -> Array:
 
 
 def kl_k1(logp: Array, ref_logp: Array) -> Array:
-    """``k1 = -log_delta = logp - ref_logp`` (docs/losses.md#kl-value-estimators): unbiased, can be negative. Float ``[...]`` -> float32 ``[...]``."""
+    """``k1 = -log_delta = logp - ref_logp`` (docs/losses.md#kl-value-estimators): unbiased, can be negative.
+    Float ``[...]`` -> float32 ``[...]``."""
     return -_log_delta(logp, ref_logp)
 
 
 def kl_k2(logp: Array, ref_logp: Array) -> Array:
-    """``k2 = 0.5 * log_delta**2`` (docs/losses.md#kl-value-estimators): biased, low variance. Float ``[...]`` -> float32 ``[...]``."""
+    """``k2 = 0.5 * log_delta**2`` (docs/losses.md#kl-value-estimators): biased, low variance.
+    Float ``[...]`` -> float32 ``[...]``."""
     return 0.5 * _log_delta(logp, ref_logp) ** 2
 
 
 def kl_k3(logp: Array, ref_logp: Array) -> Array:
-    """``k3 = delta - 1 - log_delta`` (docs/losses.md#kl-value-estimators): unbiased, >= 0, infinite variance when pi_ref is much wider. Float ``[...]`` -> float32 ``[...]``."""
+    """``k3 = delta - 1 - log_delta`` (docs/losses.md#kl-value-estimators): unbiased, >= 0, infinite variance when
+    pi_ref is much wider. Float ``[...]`` -> float32 ``[...]``."""
     log_delta = _log_delta(logp, ref_logp)
     return jnp.expm1(log_delta) - log_delta
 
 
 def kl_coefficient(kind: str, logp: Array, ref_logp: Array) -> Array:
-    """Detached ``c = d k_n / d log pi`` at the snapshot ``logp``; MiniMax ``c = pi - pi_ref`` (docs/losses.md#kl-regularisers, appendix G eq. 71).
+    """Detached ``c = d k_n / d log pi`` at the snapshot ``logp``; MiniMax ``c = pi - pi_ref``
+    (docs/losses.md#kl-regularisers, appendix G eq. 71).
 
     Args: kind in ``KL_REGULARIZERS``; logp, ref_logp float ``[...]`` (same shape).
     Returns: float32 ``[...]``, with no gradient.
@@ -82,7 +86,8 @@ def kl_coefficient(kind: str, logp: Array, ref_logp: Array) -> Array:
 
 
 def kl_as_loss(kind: str, logp: Array, ref_logp: Array, mask: Array) -> Array:
-    """Per-token as-loss term ``k_n(pi_theta, pi_ref)`` to add (times a coefficient) to the loss (docs/losses.md#kl-regularisers).
+    """Per-token as-loss term ``k_n(pi_theta, pi_ref)`` to add (times a coefficient) to the loss
+    (docs/losses.md#kl-regularisers).
 
     * "k2-as-loss": ``0.5 (logp - ref_logp)^2``; "k3-as-loss": ``k3``;
       "k1-as-loss": ``logp - ref_logp`` (emits a ``UserWarning``: it does not
@@ -123,7 +128,8 @@ def kl_as_loss(kind: str, logp: Array, ref_logp: Array, mask: Array) -> Array:
 
 
 def kl_in_reward(rewards: Array, sample_logp: Array, ref_logp: Array, mask: Array, *, coef: float) -> Array:
-    """k1 in reward: ``r - coef * k1`` with ``k1 = sample_logp - ref_logp``, detached (docs/losses.md#kl-in-reward-versus-kl-as-loss, PPO's combined form).
+    """k1 in reward: ``r - coef * k1`` with ``k1 = sample_logp - ref_logp``, detached
+    (docs/losses.md#kl-in-reward-versus-kl-as-loss, PPO's combined form).
 
     Fold the penalty into the rewards *before* computing advantages. Use the
     log-probabilities of the sampling policy (``old_logp``, or ``rollout_logp``
@@ -170,7 +176,8 @@ def kl_off_policy_token_loss(
     eps_high: float,
     dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Off-policy KL: ``-min(rho (-c'), clip(rho) (-c'))`` with ``c' = sg(d k_n / d log pi)`` at the current snapshot (docs/losses.md#off-policy-kl-correction, appendix G eq. 70-71).
+    """Off-policy KL: ``-min(rho (-c'), clip(rho) (-c'))`` with ``c' = sg(d k_n / d log pi)`` at the current snapshot
+    (docs/losses.md#off-policy-kl-correction, appendix G eq. 70-71).
 
     The as-loss term is converted to its in-reward head (the detached
     coefficient :func:`kl_coefficient` evaluated at ``sg(logp)``, the snapshot

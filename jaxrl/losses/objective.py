@@ -4,16 +4,14 @@
 
     loss = agg(w * pg_t [+ kl_cov_t]) + kl_coef * agg(kl_t) + agg(-entropy_coef * H_t)
 
-where ``pg_t`` is the policy surrogate (PPO / GSPO / GSPO-token, docs/losses.md#policy-losses) with
-Clip-Cov's tokens detached (docs/losses.md#clip-cov-and-kl-cov), ``w`` the detached mismatch correction
-(docs/losses.md#mismatch-corrections), ``kl_t`` the KL regulariser (docs/losses.md#kl-regularisers; as-loss kinds go through the
-appendix-G off-policy form by default), and every ``agg`` the same aggregation
-mode and global normaliser (docs/losses.md#policy-losses), so that summing the losses of the
-micro-batches of one batch gives the full-batch loss and gradient. Clip-Cov
-and KL-Cov choose tokens from whole-batch statistics: with micro-batches, call
-:func:`entropy_control_selection` once on the optimizer step's whole batch and
-pass each micro-batch its rows of the result as ``cov_selection``; the sum is
-then the full-batch loss too.
+where ``pg_t`` is the policy surrogate (PPO / GSPO / GSPO-token, docs/losses.md#policy-losses) with Clip-Cov's
+tokens detached (docs/losses.md#clip-cov-and-kl-cov), ``w`` the detached mismatch correction
+(docs/losses.md#mismatch-corrections), ``kl_t`` the KL regulariser (docs/losses.md#kl-regularisers; as-loss
+kinds go through the appendix-G off-policy form by default), and every ``agg`` the same aggregation mode and
+global normaliser (docs/losses.md#policy-losses), so that summing the losses of the micro-batches of one batch
+gives the full-batch loss and gradient. Clip-Cov and KL-Cov choose tokens from whole-batch statistics: with
+micro-batches, call :func:`entropy_control_selection` once on the optimizer step's whole batch and pass each
+micro-batch its rows of the result as ``cov_selection``; the sum is then the full-batch loss too.
 """
 
 from __future__ import annotations
@@ -29,7 +27,8 @@ from jaxrl.losses import _validate, corrections, entropy as entropy_lib, kl as k
 
 Array = jax.Array
 
-# Mismatch correction (docs/losses.md#mismatch-corrections) -> (its function in ``corrections``, {keyword: ObjectiveConfig field}).
+# Mismatch correction (docs/losses.md#mismatch-corrections) ->
+# (its function in ``corrections``, {keyword: ObjectiveConfig field}).
 # "icepop" is token MIS under the name of the Ring-1T paper: the same two-sided band.
 _TOKEN_MIS = (corrections.token_mis, {"c_low": "mis_c_low", "c_high": "mis_c_high"})
 _CORRECTIONS = {
@@ -85,7 +84,8 @@ class ObjectiveConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     dual_clip: float | None = None
-    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                         "seq-mean-token-sum-norm"] = "token-mean"
     kl_kind: Literal["none", "k1-in-reward", "k2-as-loss", "k3-as-loss", "k1-as-loss", "minimax"] = "none"
     kl_coef: float = 0.0
     kl_off_policy_correction: bool = True
@@ -163,7 +163,8 @@ def _masked_mean(x: Array, mask: Array) -> Array:
 
 
 def _mismatch_weight(config: ObjectiveConfig, old_logp, rollout_logp, mask):
-    """Detached per-token weight of the policy term and the correction's metrics (docs/losses.md#mismatch-corrections)."""
+    """Detached per-token weight of the policy term and the correction's metrics
+    (docs/losses.md#mismatch-corrections)."""
     correct, options = _CORRECTIONS[config.mismatch_correction]
     weight, _, metrics = correct(old_logp, rollout_logp, mask,
                                  **{keyword: getattr(config, field) for keyword, field in options.items()})
@@ -183,7 +184,8 @@ def entropy_control_selection(
     *,
     key: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Clip-Cov's detached tokens or KL-Cov's penalised tokens over all masked tokens given (docs/losses.md#clip-cov-and-kl-cov).
+    """Clip-Cov's detached tokens or KL-Cov's penalised tokens over all masked tokens given
+    (docs/losses.md#clip-cov-and-kl-cov).
 
     Call it on the optimizer step's whole batch (with the ``logp`` of the
     parameters being differentiated) and pass the rows of each micro-batch to
@@ -226,7 +228,8 @@ def rl_objective(
     key: Array | None = None,
     cov_selection: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """``loss = agg(w * pg [+ kl_cov]) + kl_coef * agg(kl) - entropy_coef * agg(H)`` (docs/losses.md#the-rl-objective, module docstring).
+    """``loss = agg(w * pg [+ kl_cov]) + kl_coef * agg(kl) - entropy_coef * agg(H)``
+    (docs/losses.md#the-rl-objective, module docstring).
 
     Args:
       config: an :class:`ObjectiveConfig`.

@@ -41,7 +41,8 @@ def _check_clip_args(eps_low, eps_high, dual_clip) -> None:
 
 
 def masked_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
-    """``log rho_t = logp - old_logp`` on masked tokens, 0 elsewhere (docs/losses.md#policy-losses), float32 ``[B, T]``."""
+    """``log rho_t = logp - old_logp`` on masked tokens, 0 elsewhere (docs/losses.md#policy-losses),
+    float32 ``[B, T]``."""
     live = jnp.asarray(mask).astype(bool)
     diff = jnp.asarray(logp, jnp.float32) - jnp.asarray(old_logp, jnp.float32)
     return jnp.where(live, diff, 0.0)
@@ -97,7 +98,8 @@ def ppo_clip_token_loss(
     eps_high: float = 0.28,
     dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """PPO clip ``-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)``, dual clip ``min(., -c A)`` for ``A<0`` (docs/losses.md#ppo-clip-with-clip-higher-and-dual-clip).
+    """PPO clip ``-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)``, dual clip ``min(., -c A)`` for ``A<0``
+    (docs/losses.md#ppo-clip-with-clip-higher-and-dual-clip).
 
     Args:
       logp: float ``[B, T]``, carries gradient; old_logp: float ``[B, T]``
@@ -127,7 +129,8 @@ def gspo_token_loss(
     dual_clip: float | None = None,
     token_gradient: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
-    """GSPO ``-min(s A, clip(s, 1-eps_low, 1+eps_high) A)``, ``s_i = exp(mean_t(logp - old_logp))`` (docs/losses.md#gspo-and-gspo-token).
+    """GSPO ``-min(s A, clip(s, 1-eps_low, 1+eps_high) A)``, ``s_i = exp(mean_t(logp - old_logp))``
+    (docs/losses.md#gspo-and-gspo-token).
 
     The sequence ratio ``s_i`` multiplies every token's advantage, so the usual
     per-sequence advantage broadcast to tokens gives the GSPO objective under
@@ -172,7 +175,8 @@ def policy_token_loss(
     eps_high: float,
     dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Dispatches ``kind`` in ``POLICY_LOSSES`` ("ppo", "gspo", "gspo-token") to its token loss (docs/losses.md#policy-losses).
+    """Dispatches ``kind`` in ``POLICY_LOSSES`` ("ppo", "gspo", "gspo-token") to its token loss
+    (docs/losses.md#policy-losses).
 
     Shapes as :func:`ppo_clip_token_loss`.
     """
@@ -182,7 +186,8 @@ def policy_token_loss(
 
 
 def loss_normalizer(mode: str, mask: Array, *, max_length: int | None = None) -> Array:
-    """The divisor of :func:`aggregate_loss` for ``mode``, computed on the GLOBAL batch mask (docs/losses.md#loss-aggregation).
+    """The divisor of :func:`aggregate_loss` for ``mode``, computed on the GLOBAL batch mask
+    (docs/losses.md#loss-aggregation).
 
     * "token-mean": number of masked tokens;
     * "seq-mean-token-sum", "seq-mean-token-mean": number of sequences with at
@@ -209,7 +214,8 @@ def loss_normalizer(mode: str, mask: Array, *, max_length: int | None = None) ->
 
 
 def aggregate_loss(token_loss: Array, mask: Array, mode: str, normalizer: Array | float) -> Array:
-    """Reduces a ``[B, T]`` token loss to a scalar: ``sum_{b,t} m l / N`` or, for "seq-mean-token-mean", ``sum_b (sum_t m l / sum_t m) / N`` (docs/losses.md#loss-aggregation).
+    """Reduces a ``[B, T]`` token loss to a scalar: ``sum_{b,t} m l / N`` or, for "seq-mean-token-mean",
+    ``sum_b (sum_t m l / sum_t m) / N`` (docs/losses.md#loss-aggregation).
 
     ``normalizer`` ``N`` comes from :func:`loss_normalizer` on the global batch,
     so the sum of this over micro-batches equals the full-batch value (and

@@ -60,7 +60,8 @@ def layer_pattern(pattern: str, num_layers: int) -> tuple[str, ...]:
             raise ValueError(f"layer pattern {pattern!r} names unknown layer type {kind!r}; "
                              f"known types: {sorted(ATTENTION_KIND_NAMES)}")
         if count and (not count.isdigit() or int(count) < 1):
-            raise ValueError(f"layer pattern {pattern!r}: repeat count {count!r} of {kind!r} must be a positive integer")
+            raise ValueError(f"layer pattern {pattern!r}: repeat count {count!r} of {kind!r} "
+                             "must be a positive integer")
         cycle += [kind] * int(count or 1)
     return tuple(cycle[i % len(cycle)] for i in range(num_layers))
 
@@ -145,7 +146,8 @@ class ModelConfig:
                                  f"num_layers={self.num_layers}")
         for i, kind in enumerate(self.layer_types):
             if kind not in ATTENTION_KIND_NAMES:
-                raise ValueError(f"ModelConfig.layer_types[{i}] = {kind!r}; known kinds: {sorted(ATTENTION_KIND_NAMES)}")
+                raise ValueError(f"ModelConfig.layer_types[{i}] = {kind!r}; "
+                                 f"known kinds: {sorted(ATTENTION_KIND_NAMES)}")
         for i, kind in enumerate(self.mlp_types):
             if kind not in MLP_KINDS:
                 raise ValueError(f"ModelConfig.mlp_types[{i}] = {kind!r}; known kinds: {list(MLP_KINDS)}")
@@ -166,7 +168,8 @@ class ModelConfig:
             if getattr(self, key) not in DTYPES:
                 raise ValueError(f"ModelConfig.{key} = {getattr(self, key)!r}; choose one of {list(DTYPES)}")
         if not isinstance(self.linear_chunk_size, int) or self.linear_chunk_size < 1:
-            raise ValueError(f"ModelConfig.linear_chunk_size must be a positive integer, got {self.linear_chunk_size!r}")
+            raise ValueError("ModelConfig.linear_chunk_size must be a positive integer, "
+                             f"got {self.linear_chunk_size!r}")
         if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ValueError(f"ModelConfig.partial_rotary_factor = {self.partial_rotary_factor} must be in (0, 1] "
                              f"and give an even rotary width of head_dim={self.head_dim}")
@@ -201,8 +204,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
-        """Read a transformers Qwen3 / Qwen3-MoE / MiniMax / Qwen3-Next `config.json` dict; `overrides` set our own fields
-        (dtype, param_dtype, remat). Another architecture raises a ValueError naming it."""
+        """Read a transformers Qwen3 / Qwen3-MoE / MiniMax / Qwen3-Next `config.json` dict; `overrides` set our own
+        fields (dtype, param_dtype, remat). Another architecture raises a ValueError naming it."""
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or []
         if model_type not in HF_FAMILIES or any(a != HF_FAMILIES[model_type] for a in architectures):
@@ -292,7 +295,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.layer_types[{i}] = {kind!r} has no {HF_FAMILIES[model_type]} "
                                  f"equivalent (it has {sorted(layer_names)})")
         for key, value in HF_FAMILY_FLAGS[model_type].items():
-            if getattr(self, key) != value and not (key == "shared_expert_gate" and not self.shared_expert_intermediate_size):
+            if getattr(self, key) != value and not (
+                    key == "shared_expert_gate" and not self.shared_expert_intermediate_size):
                 raise ValueError(f"ModelConfig.{key} = {getattr(self, key)!r} has no {HF_FAMILIES[model_type]} "
                                  f"equivalent (it needs {value!r})")
         if model_type in ("qwen3", "qwen3_moe") and self.shared_expert_intermediate_size:
@@ -323,7 +327,8 @@ class ModelConfig:
         if model_type == "qwen3_next":
             hf["rope_parameters"]["partial_rotary_factor"] = hf["partial_rotary_factor"] = self.partial_rotary_factor
             hf.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
-                      linear_num_key_heads=self.linear_num_key_heads, linear_num_value_heads=self.linear_num_value_heads,
+                      linear_num_key_heads=self.linear_num_key_heads,
+                      linear_num_value_heads=self.linear_num_value_heads,
                       linear_key_head_dim=self.linear_key_head_dim, linear_value_head_dim=self.linear_value_head_dim,
                       linear_conv_kernel_dim=self.linear_conv_kernel_dim)
         if model_type == "minimax":

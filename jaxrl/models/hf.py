@@ -322,7 +322,7 @@ def save_hf_checkpoint(model: Decoder, path: str) -> None:
         # One parameter at a time: the other processes never hold more than one gathered tensor.
         value = distributed.to_host(flat[m.path][...])
         if distributed.is_main_process():
-            for name, array in zip(m.hf_names, m.save(value)):
+            for name, array in zip(m.hf_names, m.save(value), strict=True):
                 tensors[name] = np.ascontiguousarray(array)
     if distributed.is_main_process():
         tensors.update(derived_tensors(config))

@@ -110,7 +110,8 @@ def lightning_attention(
     chunk_size: int = 64,
     initial_state: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Chunked lightning attention: `S_t = exp(log_decay) S_{t-1} + k_t^T v_t; o_t = q_t S_t` (docs/models.md#linear-attention).
+    """Chunked lightning attention: `S_t = exp(log_decay) S_{t-1} + k_t^T v_t; o_t = q_t S_t`
+    (docs/models.md#linear-attention).
 
     Args: q, k `[B, T, H, Dk]`; v `[B, T, H, Dv]`; log_decay `[H]` (<= 0, MiniMax: -slope);
       initial_state `[B, H, Dk, Dv]` or None (zeros).

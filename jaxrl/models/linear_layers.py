@@ -123,7 +123,8 @@ class GatedDeltaNet(nnx.Module):
         c, pd = config, config.weight_dtype
         self.num_key_heads, self.num_value_heads = c.linear_num_key_heads, c.linear_num_value_heads
         self.key_head_dim, self.value_head_dim = c.linear_key_head_dim, c.linear_value_head_dim
-        self.conv_kernel_size, self.chunk_size, self.norm_eps = c.linear_conv_kernel_dim, c.linear_chunk_size, c.rms_norm_eps
+        self.conv_kernel_size, self.chunk_size = c.linear_conv_kernel_dim, c.linear_chunk_size
+        self.norm_eps = c.rms_norm_eps
         self.dtype = c.compute_dtype
         self.group = self.num_value_heads // self.num_key_heads
         key_width = self.num_key_heads * self.key_head_dim
@@ -151,7 +152,8 @@ class GatedDeltaNet(nnx.Module):
         state = self.init_cache(batch) if cache is None else cache
         kernels.check_state(state.conv, (batch, self.conv_kernel_size - 1, self.conv_dim), "cache.conv",
                             "[batch, conv_kernel - 1, conv_dim]")
-        hk, hv, dk, dv, group = self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim, self.group
+        hk, hv, group = self.num_key_heads, self.num_value_heads, self.group
+        dk, dv = self.key_head_dim, self.value_head_dim
         x = _mask_padding(x, segment_ids)
         qkvz = matmul(x, self.in_proj_qkvz[...], "btd,de->bte", self.dtype)
         q, k, v, z = jnp.split(qkvz.reshape(batch, length, hk, 2 * dk + 2 * group * dv),

@@ -116,7 +116,7 @@ def make_mesh(mesh_config: MeshConfig, devices=None) -> jax.sharding.Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if mesh_config.size > len(devices):
         raise ValueError(
-            f"MeshConfig {dict(zip(MESH_AXES, mesh_config.shape))} needs {mesh_config.size} devices "
+            f"MeshConfig {dict(zip(MESH_AXES, mesh_config.shape, strict=True))} needs {mesh_config.size} devices "
             f"(the product of the axis sizes) but only {len(devices)} are available")
     grid = np.asarray(devices[:mesh_config.size], dtype=object).reshape(mesh_config.shape)
     return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
@@ -140,7 +140,7 @@ def check_divisible(state: nnx.State, mesh: jax.sharding.Mesh) -> None:
     def check(path, var):
         axes = var.get_metadata().get("logical_axes") or ()
         spec = logical_to_spec(axes)
-        for dim, (name, mesh_axes) in enumerate(zip(axes, spec)):
+        for dim, (name, mesh_axes) in enumerate(zip(axes, spec, strict=True)):
             mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
             shards = math.prod(mesh.shape[a] for a in mesh_axes)
             if var.shape[dim] % shards:

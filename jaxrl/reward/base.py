@@ -204,7 +204,7 @@ class RewardRouter:
         unparsable = np.zeros(n, bool)
         raised = np.zeros(n, bool)
         timed_out = np.zeros(n, bool)
-        for i, (task, outcome) in enumerate(zip(tasks, outcomes)):
+        for i, (task, outcome) in enumerate(zip(tasks, outcomes, strict=True)):
             if outcome.kind == "ok":
                 scores[i], unparsable[i] = outcome.score, outcome.unparsable
                 continue

@@ -282,7 +282,7 @@ class SandboxedRewardRouter(RewardRouter):
     def _call_all(self, tasks, prompts, responses, response_ids, rows) -> list[Outcome]:
         items = [
             (i, task, prompts[i], responses[i], response_ids[i], row if isinstance(row, dict) else dict(row))
-            for i, (task, row) in enumerate(zip(tasks, rows))
+            for i, (task, row) in enumerate(zip(tasks, rows, strict=True))
         ]
         outcomes: list[Outcome | None] = [None] * len(items)
         with self._lock:
@@ -302,11 +302,11 @@ class SandboxedRewardRouter(RewardRouter):
             batch = self._batches
             try:
                 worker.conn.send(("score", batch, pending))
-            except OSError:  # the worker died while idle; start another, but do not loop forever
+            except OSError as e:  # the worker died while idle; start another, but do not loop forever
                 self._drop_worker()
                 send_failures += 1
                 if send_failures >= 3:
-                    raise WorkerStartError("the reward worker process keeps dying before it receives a batch")
+                    raise WorkerStartError("the reward worker process keeps dying before it receives a batch") from e
                 continue
             done = 0
             for i, *_ in pending:

@@ -170,7 +170,7 @@ class RolloutEngine(abc.ABC):
     ) -> list[Conversation]:
         """One more model turn for each conversation (token in, token out)."""
         samples = self.generate([c.token_ids.tolist() for c in conversations], params, n=1)
-        return [c.add_model_turn(s[0]) for c, s in zip(conversations, samples)]
+        return [c.add_model_turn(s[0]) for c, s in zip(conversations, samples, strict=True)]
 
     @abc.abstractmethod
     def update_weights(self, params, version: str) -> dict[str, float] | None:
@@ -185,4 +185,9 @@ class RolloutEngine(abc.ABC):
         """The version of the weights the engine samples with now."""
 
     def close(self) -> None:
-        """Releases servers, caches and threads. Idempotent."""
+        """Releases servers, caches and threads. Idempotent.
+
+        Deliberately not abstract: this default is a no-op hook for engines that hold nothing to
+        release (e.g. the embedded ``JaxSampler``); engines with servers or threads override it.
+        """
+        return None

@@ -229,7 +229,8 @@ class JaxSampler(RolloutEngine):
         if new_struct != old_struct:
             raise ValueError(f"update_weights: the parameter tree differs from the model's "
                              f"(got {new_struct}, expected {old_struct}); pass the learner model's nnx.State")
-        for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(self._state)):
+        pairs = zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(self._state), strict=True)
+        for (path, new), old in pairs:
             if jnp.shape(new) != jnp.shape(old) or jnp.result_type(new) != jnp.result_type(old):
                 raise ValueError(f"update_weights: parameter {jax.tree_util.keystr(path)} has shape "
                                  f"{jnp.shape(new)} {jnp.result_type(new)}, expected {jnp.shape(old)} "
@@ -275,7 +276,7 @@ class JaxSampler(RolloutEngine):
         results: list[list[Sample | None]] = [[None] * n for _ in arrays]
         for start in range(0, len(jobs), self.max_batch):
             chunk = jobs[start:start + self.max_batch]
-            for (i, j), sample in zip(chunk, self._run([arrays[i] for i, _ in chunk], chunk, params)):
+            for (i, j), sample in zip(chunk, self._run([arrays[i] for i, _ in chunk], chunk, params), strict=True):
                 results[i][j] = sample
         return results  # type: ignore[return-value]
 

@@ -164,7 +164,8 @@ class SFTConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run. ``output_dir`` receives metrics, TensorBoard events and plots; checkpoints go
-    to ``checkpoint.directory`` (none when it is empty). ``steps``: RL steps (outer iterations of docs/training.md#the-rl-update-loop)."""
+    to ``checkpoint.directory`` (none when it is empty). ``steps``: RL steps (outer iterations of
+    docs/training.md#the-rl-update-loop)."""
 
     output_dir: str
     model: PolicyConfig

@@ -74,7 +74,8 @@ class UpdateGuard:
                 problems.append(f"grad_norm {grad_norm:.4g} is {grad_norm / median:.3g}x the median {median:.4g} "
                                 f"of the last {len(self.recent_grad_norms)} updates")
         if relative_size > 1.0:
-            problems.append(f"the update is {relative_size:.3g}x as large as the parameters (is optimizer.lr too high?)")
+            problems.append(f"the update is {relative_size:.3g}x as large as the parameters "
+                            "(is optimizer.lr too high?)")
         if problems:
             self.spikes_total += 1
             self.warn(f"step {step}: warning: {'; '.join(problems)} (update.spike_factor={self.spike_factor:g})")

@@ -12,7 +12,7 @@ def _series(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
     if not points:
         return np.zeros(0), np.zeros(0)
-    steps, values = zip(*points)
+    steps, values = zip(*points, strict=True)
     return np.asarray(steps, float), np.asarray(values, float)
 
 
@@ -73,7 +73,8 @@ def _plot_keys(rows, keys, title, ylabel, path, *, log_y: bool = False) -> str |
 
 
 def fit_run_entropy_law(rows: Sequence[dict], early_fraction: float = 0.5) -> dict | None:
-    """Fits ``R = -a exp(H) + b`` (docs/losses.md#entropy-performance-law) on the first ``early_fraction`` of logged steps.
+    """Fits ``R = -a exp(H) + b`` (docs/losses.md#entropy-performance-law) on the first ``early_fraction``
+    of logged steps.
 
     Returns ``{a, b, ceiling, rmse, fit_steps, entropy, reward}`` (the last two: every step's
     points), or None when fewer than 2 steps logged entropy and reward or entropy never moved.

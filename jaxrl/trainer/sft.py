@@ -98,7 +98,7 @@ class SFTTrainer:
 
     def _enter_stage(self, index: int) -> None:
         stage = self.config.sft.stages[index]
-        chosen = [e for e, n in zip(self.examples, self.lengths) if n <= stage.max_length]
+        chosen = [e for e, n in zip(self.examples, self.lengths, strict=True) if n <= stage.max_length]
         if not chosen:
             raise ValueError(
                 f"sft.stages[{index}] (max_length={stage.max_length}) has no pair short enough; the shortest "

@@ -122,8 +122,8 @@ class TrainStep:
     `state` is `{"params": nnx.State, "opt_state": optax state, "step": int32}`; it is donated
     and comes back with the same shardings. A step whose loss, gradient norm or new parameters
     are not finite leaves the state unchanged and reports `update/nonfinite = 1`;
-    `update/relative_size` is |update| / |params| (both global L2 norms). `loss_fn(model, batch) -> (loss, metrics)` sees the
-    model rebuilt from the params. Build with `make_train_step`.
+    `update/relative_size` is |update| / |params| (both global L2 norms).
+    `loss_fn(model, batch) -> (loss, metrics)` sees the model rebuilt from the params. Build with `make_train_step`.
     """
 
     graphdef: Any

@@ -3,7 +3,6 @@
 import json
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 

@@ -57,7 +57,8 @@ def base_arrays():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda a: a.update(learner_logprobs=a["learner_logprobs"][:, :-1]), "7 positions per sequence but token_ids has 8"),
+    (lambda a: a.update(learner_logprobs=a["learner_logprobs"][:, :-1]),
+     "7 positions per sequence but token_ids has 8"),
     (lambda a: a["rollout_logprobs"].__setitem__((1, 2), 0.3), r"sequence 1, position 2: rollout_logprobs is 0.3 > 0"),
     (lambda a: a["learner_logprobs"].__setitem__((0, 4), np.nan), r"sequence 0, position 4: learner_logprobs is nan"),
     (lambda a: a["model_mask"].__setitem__((1, 0), True), r"sequence 1: model_mask marks prompt position 0"),

@@ -47,7 +47,7 @@ def test_jsonl_and_parquet_give_same_examples(tokenizer, tmp_path):
     a, _ = load_examples([jsonl], config, tokenizer)
     b, _ = load_examples([parquet], config, tokenizer)
     assert [e.prompt for e in a] == [e.prompt for e in b] == [r["q"] for r in rows]
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x.prompt_ids, y.prompt_ids)
         assert x.row == y.row
     np.testing.assert_array_equal(a[0].prompt_ids, tokenizer.encode("0+1=", add_special_tokens=False))
@@ -153,4 +153,5 @@ def test_chat_template_is_applied_when_present(tmp_path):
     ids = encode_prompt(tok, "1+1=")
     assert tok.decode(ids) == "<user>1+1=\n<assistant>"
     assert tok.decode(encode_prompt(tok, "1+1=", use_chat_template=False)) == "1+1="
-    assert tok.decode(encode_prompt(tok, "1+1=", system_prompt="be brief")) == "<system>be brief\n<user>1+1=\n<assistant>"
+    assert (tok.decode(encode_prompt(tok, "1+1=", system_prompt="be brief"))
+            == "<system>be brief\n<user>1+1=\n<assistant>")

@@ -146,11 +146,13 @@ def test_multinode_dry_run_places_processes_host_by_host(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == "# 5 processes on 2 hosts; coordinator node-a:9000"
     lines = commands(out.stdout)
-    assert [line[:4] for line in lines] == [["ssh", "-o", "BatchMode=yes", host] for host in ["node-a"] * 2 + ["node-b"] * 3]
-    for process_id, (line, local) in enumerate(zip(lines, [0, 1, 0, 1, 2])):
+    assert [line[:4] for line in lines] == [["ssh", "-o", "BatchMode=yes", host]
+                                            for host in ["node-a"] * 2 + ["node-b"] * 3]
+    for process_id, (line, local) in enumerate(zip(lines, [0, 1, 0, 1, 2], strict=True)):
         assert line[4] == shlex.join(["bash", "-c", (
             "set -o pipefail; cd /srv/jaxrl && export EXTRA=1 JAX_COORDINATOR_ADDRESS=node-a:9000 "
-            f"JAX_NUM_PROCESSES=5 JAX_PROCESS_ID={process_id} JAX_LOCAL_DEVICE_IDS={local} && exec jaxrl train c.yaml")])
+            f"JAX_NUM_PROCESSES=5 JAX_PROCESS_ID={process_id} JAX_LOCAL_DEVICE_IDS={local} "
+            "&& exec jaxrl train c.yaml")])
     assert not (tmp_path / "logs").exists()
 
 

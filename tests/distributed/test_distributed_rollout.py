@@ -32,7 +32,7 @@ def test_process_share_splits_in_order_without_gaps():
 def test_allgather_ragged_with_one_process_returns_the_arrays_and_checks_them():
     arrays = [np.arange(3, dtype=np.int64), np.zeros(0, np.int64)]
     got = distributed.allgather_ragged(arrays, np.int64)
-    assert len(got) == 2 and all(np.array_equal(a, b) for a, b in zip(got, arrays))
+    assert len(got) == 2 and all(np.array_equal(a, b) for a, b in zip(got, arrays, strict=True))
     with pytest.raises(ValueError, match=r"array 1 of process 0 is float32\[2\]; expected int64"):
         distributed.allgather_ragged([arrays[0], np.zeros(2, np.float32)], np.int64)
 
@@ -89,7 +89,7 @@ def test_sglang_generate_on_two_processes_each_with_its_own_server(processes, tm
     assert list(mine[0]) == [0, 1, 2] and list(mine[1]) == [3, 4]
     for report in reports:
         assert report["push_probe_max_abs_diff"] <= 1e-5
-    for b, (batch0, batch1) in enumerate(zip(reports[0]["batches"], reports[1]["batches"])):
+    for b, (batch0, batch1) in enumerate(zip(reports[0]["batches"], reports[1]["batches"], strict=True)):
         # Both processes hold the same full batch (the servers' own scoring aside) ...
         strip = [[{k: v for k, v in s.items() if k != "scored_here"} for s in g] for g in batch0]
         assert strip == [[{k: v for k, v in s.items() if k != "scored_here"} for s in g] for g in batch1]
@@ -103,8 +103,8 @@ def test_sglang_generate_on_two_processes_each_with_its_own_server(processes, tm
                 assert s["finish_reason"] in ("stop", "length") and s["logprob_kind"] == "raw"
                 assert 1 <= len(s["output_ids"]) <= rollout_worker.MAX_NEW_TOKENS
                 assert len(s["output_logprobs"]) == len(s["output_ids"])
-        for report, batch in zip(reports, (batch0, batch1)):
-            for i, group in enumerate(batch):
+        for _report, batch in zip(reports, (batch0, batch1), strict=True):
+            for group in batch:
                 for s in group:
                     # The gathered logprobs are those of these very tokens after this prompt: each
                     # process's own server scores them the same (same weights on both servers).

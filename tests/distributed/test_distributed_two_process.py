@@ -50,7 +50,7 @@ def test_a_failure_in_one_process_stops_the_other_with_its_error(processes, tmp_
     for failing in (1, 0):  # a worker, then the coordinator's own process
         processes.start_workers(f"fail:{failing}", tmp_path / f"fail{failing}")
     results = processes.wait_all(timeout_s=40)
-    for failing, pair in zip((1, 0), (results[:2], results[2:])):
+    for failing, pair in zip((1, 0), (results[:2], results[2:]), strict=True):
         for index, result in enumerate(pair):
             assert result.returncode == 1, result.output
             assert f"ValueError: deliberate failure in process {failing}" in result.output, result.output

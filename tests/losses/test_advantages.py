@@ -34,7 +34,8 @@ def test_grpo_matches_numpy_in_all_three_layouts(ddof):
     grid, metrics = adv_lib.grpo_advantages(jnp.asarray(REWARDS), std_min=0.1, std_max=5.0, ddof=ddof)
     np.testing.assert_allclose(grid, expected, rtol=1e-5, atol=1e-6)
     assert int(metrics["zero_variance_groups"]) == 1
-    flat, _ = adv_lib.grpo_advantages(jnp.asarray(REWARDS.reshape(-1)), group_size=4, std_min=0.1, std_max=5.0, ddof=ddof)
+    flat, _ = adv_lib.grpo_advantages(jnp.asarray(REWARDS.reshape(-1)), group_size=4, std_min=0.1, std_max=5.0,
+                                      ddof=ddof)
     np.testing.assert_allclose(flat, expected.reshape(-1), rtol=1e-5, atol=1e-6)
     # Shuffled order with explicit ids and one unused id.
     perm = np.random.default_rng(0).permutation(12)
@@ -122,7 +123,8 @@ def test_broadcast_and_jit():
         (lambda: adv_lib.grpo_advantages(jnp.ones(6), group_size=4), ["group_size=4", "6"]),
         (lambda: adv_lib.grpo_advantages(jnp.ones(6, jnp.int32), group_size=3), ["rewards", "int32"]),
         (lambda: adv_lib.grpo_advantages(jnp.ones(6), group_ids=jnp.zeros(6), num_groups=1), ["group_ids", "float32"]),
-        (lambda: adv_lib.grpo_advantages(jnp.ones(6), group_ids=jnp.zeros(5, jnp.int32), num_groups=1), ["group_ids", "(5,)", "(6,)"]),
+        (lambda: adv_lib.grpo_advantages(jnp.ones(6), group_ids=jnp.zeros(5, jnp.int32), num_groups=1),
+         ["group_ids", "(5,)", "(6,)"]),
         (lambda: adv_lib.grpo_advantages(jnp.ones(6), group_ids=jnp.zeros(6, jnp.int32)), ["num_groups"]),
         (lambda: adv_lib.grpo_advantages(jnp.ones(6)), ["group_size", "group_ids"]),
         (lambda: adv_lib.grpo_advantages(jnp.ones((2, 3)), std_min=1.0, std_max=0.5), ["std_min", "std_max"]),

@@ -123,7 +123,7 @@ def test_cov_controls_ignore_masked_tokens():
             E.kl_cov_penalty(logp, old, adv, mask, ratio=0.34))
     poked = (E.clip_cov_mask(logp + poke, adv - poke, mask, key, ratio=1 / 3),
              E.kl_cov_penalty(logp + poke, old - poke, adv + poke, mask, ratio=0.34))
-    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(poked)):
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(poked), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

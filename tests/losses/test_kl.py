@@ -1,4 +1,5 @@
-"""KL estimators and regularisers against the figures of docs/losses.md#kl-value-estimators, closed-form gradients and exact expectations."""
+"""KL estimators and regularisers against the figures of docs/losses.md#kl-value-estimators,
+closed-form gradients and exact expectations."""
 
 import functools
 import warnings
@@ -30,7 +31,8 @@ def test_spec_gaussian_kl_example():
         logp = jnp.asarray(_gaussian_logpdf(x, 0.0, 1.0), jnp.float32)
         k1 = np.asarray(kl.kl_k1(logq, logp))
         k3 = np.asarray(kl.kl_k3(logq, logp))
-        # k1's std is ~0.68 (docs/losses.md#kl-value-estimators: "about 0.7"), so its mean of 10,000 is within 4 sigma of 0.027.
+        # k1's std is ~0.68 (docs/losses.md#kl-value-estimators: "about 0.7"), so its mean
+        # of 10,000 is within 4 sigma of 0.027.
         assert abs(k1.mean() - true_kl) < 0.03
         assert 0.6 < k1.std() < 0.8
         np.testing.assert_allclose(np.asarray(kl.kl_k2(logq, logp)), 0.5 * k1**2, rtol=1e-6)

@@ -1,4 +1,5 @@
-"""docs/losses.md#training-inference-mismatch: mismatch metrics against numpy float64, corrections on hand-made ratios."""
+"""docs/losses.md#training-inference-mismatch: mismatch metrics against numpy float64,
+corrections on hand-made ratios."""
 
 import math
 
@@ -246,7 +247,7 @@ def test_masked_tokens_change_nothing(batch):
 
     run = jax.jit(everything)
     base, poked = run(old, rollout, turn_ids), run(poked_old, poked_rollout, poked_turns)
-    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(poked)):
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(poked), strict=True):
         np.testing.assert_array_equal(a, b)
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(base[:3]))
 

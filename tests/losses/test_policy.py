@@ -95,7 +95,8 @@ def test_gspo_and_gspo_token_values_and_gradients():
     # Under seq-mean-token-mean the two variants give the same gradient for sequence advantages.
     def agg(kind, lp):
         tl, _ = policy.policy_token_loss(kind, lp, old, adv, mask, eps_low=eps, eps_high=eps)
-        return policy.aggregate_loss(tl, mask, "seq-mean-token-mean", policy.loss_normalizer("seq-mean-token-mean", mask))
+        return policy.aggregate_loss(tl, mask, "seq-mean-token-mean",
+                                     policy.loss_normalizer("seq-mean-token-mean", mask))
     num_seqs = m.any(1).sum()  # d/dlogp_t of (1/S) sum_b (1/n_b) sum_t -A s_b = -A s_b / (S n_b)
     np.testing.assert_allclose(jax.grad(lambda lp: agg("gspo", lp))(logp) * n[:, None] * num_seqs,
                                expected, rtol=1e-5, atol=1e-7)
@@ -122,7 +123,7 @@ def test_masked_tokens_change_nothing(kind):
         assert float(loss) == float(base_loss)
         for key in base_metrics:
             assert float(metrics[key]) == float(base_metrics[key]), key
-        grad = jax.grad(lambda x: run(x, ol, ad)[0])(lp)
+        grad = jax.grad(lambda x, ol=ol, ad=ad: run(x, ol, ad)[0])(lp)
         np.testing.assert_array_equal(grad, base_grad)
 
 

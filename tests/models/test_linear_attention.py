@@ -153,7 +153,7 @@ def test_gradients_of_chunked_forms_match_naive_references():
     for fn, ref, args in cases:
         argnums = tuple(range(len(args)))
         got, want = jax.jit(jax.grad(fn, argnums))(*args), jax.jit(jax.grad(ref, argnums))(*args)
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):
             # a loss of ~1e2 summed over many terms: gradients agree to f32 rounding of that sum
             np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-5)
 
@@ -429,7 +429,8 @@ def test_hybrid_prefill_then_decode_equals_full_forward(family, float32_gap):
     cache = model.init_cache(2, IDS.shape[1])
     pieces = []
     for start, stop in [(0, prompt)] + [(t, t + 1) for t in range(prompt, IDS.shape[1])]:
-        logits, cache = decode_step(model, jnp.asarray(IDS[:, start:stop]), jnp.asarray(positions[:, start:stop]), cache)
+        logits, cache = decode_step(model, jnp.asarray(IDS[:, start:stop]), jnp.asarray(positions[:, start:stop]),
+                                    cache)
         pieces.append(np.asarray(logits))
     tolerance = max(TOL["atol"], 2 * float32_gap[0])
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=tolerance, rtol=TOL["rtol"])
@@ -444,7 +445,8 @@ def test_hybrid_checkpoint_round_trip(family, tmp_path):
     name, reference, folder, model = family
     save_hf_checkpoint(model, str(tmp_path / "a"))
     save_hf_checkpoint(load_hf_checkpoint(str(tmp_path / "a")), str(tmp_path / "b"))
-    original, first, second = (load_file(str(f / "model.safetensors")) for f in (folder, tmp_path / "a", tmp_path / "b"))
+    original, first, second = (load_file(str(f / "model.safetensors"))
+                               for f in (folder, tmp_path / "a", tmp_path / "b"))
     assert sorted(original) == sorted(first) == sorted(second)
     for key in original:
         assert first[key].tobytes() == second[key].tobytes(), key

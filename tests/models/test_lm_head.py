@@ -1,4 +1,5 @@
-"""docs/models.md#chunked-lm-head: the chunked LM head's logprobs and entropy from hidden states (value, gradient, memory).
+"""docs/models.md#chunked-lm-head: the chunked LM head's logprobs and entropy from hidden states
+(value, gradient, memory).
 
 References are numpy float64 closed forms and autodiff of the naive (full-logits)
 computation.
@@ -73,7 +74,7 @@ def test_chunked_head_matches_naive_value_and_gradient(head_inputs, chunk_size, 
 
     # Gradients w.r.t. hidden, lm_head and bias against autodiff of the naive computation.
     _, _, want = _values_and_grads(_naive, targets, g_logp, g_entropy)(hidden, lm_head, bias)
-    for name, got, expected in zip(("hidden", "lm_head", "bias"), grads, want):
+    for name, got, expected in zip(("hidden", "lm_head", "bias"), grads, want, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5, err_msg=name)
 
 
@@ -88,7 +89,7 @@ def test_chunked_head_without_bias_matches_naive_gradient(head_inputs):
 
     got = loss(lambda h, w: token_logprobs_and_entropy(h, w, targets, chunk_size=3, vocab_chunk_size=10))
     want = loss(lambda h, w: _naive(h, w, targets))
-    for g, w in zip(got(hidden, lm_head), want(hidden, lm_head)):
+    for g, w in zip(got(hidden, lm_head), want(hidden, lm_head), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5)
 
 

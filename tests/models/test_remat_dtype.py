@@ -40,7 +40,7 @@ def reference_grads(state):
 def test_remat_policies_give_the_same_gradients(state, reference_grads, policy):
     model = with_config(state, CONFIG.replace(remat=policy))
     grads = jax.tree.leaves(nnx.jit(nnx.grad(loss))(model))
-    for want, got in zip(reference_grads, grads):
+    for want, got in zip(reference_grads, grads, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
 
 

@@ -56,7 +56,7 @@ def reference():
 
 def assert_grads_close(got, expected):
     assert len(got) == len(expected)
-    for want, have in zip(expected, got):
+    for want, have in zip(expected, got, strict=True):
         np.testing.assert_allclose(np.asarray(have), want, atol=2e-6, rtol=1e-4)
 
 
@@ -90,7 +90,8 @@ def test_train_step_on_dp_fsdp_tp_mesh_equals_single_device_sgd(reference):
     assert before.is_deleted()  # donated; the reference model's own buffers are untouched
     assert int(new_state["step"]) == 1 and np.isfinite(float(metrics["loss"]))
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
-    assert_grads_close([np.asarray(p) - np.asarray(q) for p, q in zip(params, jax.tree.leaves(new_state["params"]))],
+    new_params = jax.tree.leaves(new_state["params"])
+    assert_grads_close([np.asarray(p) - np.asarray(q) for p, q in zip(params, new_params, strict=True)],
                        jax.tree.leaves(grads))
     got = new_state["params"]["layers"][0]["mlp"]["gate_proj"][...]
     assert got.sharding.spec == P("expert", "fsdp", "tensor")  # size-1 axes stay in the spec

@@ -84,7 +84,7 @@ def test_non_finite_update_is_skipped_then_the_run_stops(run_config, tmp_path):
         before = _params(trainer)
         with pytest.raises(NonFiniteUpdateError, match="update.max_consecutive_skips=2"):
             trainer.run()
-        for a, b in zip(before, _params(trainer)):
+        for a, b in zip(before, _params(trainer), strict=True):
             np.testing.assert_array_equal(a, b)
         assert int(trainer.state["step"]) == 0  # no optimizer step was taken
     finally:

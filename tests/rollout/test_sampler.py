@@ -67,8 +67,8 @@ def full_logits(model, sequences):
 def test_greedy_equals_argmax_of_the_full_forward_step_by_step(model, sampler):
     out = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
     checked = 0
-    all_logits = full_logits(model, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out)])
-    for prompt, (sample,), logits in zip(PROMPTS, out, all_logits):
+    all_logits = full_logits(model, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out, strict=True)])
+    for prompt, (sample,), logits in zip(PROMPTS, out, all_logits, strict=True):
         assert sample.output_ids.size == 8 and sample.finish_reason == "length"
         for step, token in enumerate(sample.output_ids):
             row = logits[len(prompt) - 1 + step]
@@ -84,7 +84,10 @@ def test_sample_step_follows_the_processed_distribution_chi_squared():
     n = 20000
     keys = jax.random.split(jax.random.PRNGKey(123), n)
     for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (1.0, 6, 0.9)]:
-        tokens, _, proc = jax.vmap(lambda k: sample_step(logits, k[None], temperature, top_k, top_p))(keys)
+        def draw(k, temperature=temperature, top_k=top_k, top_p=top_p):  # this iteration's settings, bound now
+            return sample_step(logits, k[None], temperature, top_k, top_p)
+
+        tokens, _, proc = jax.vmap(draw)(keys)
         tokens = np.asarray(tokens)[:, 0]
         # expected: softmax(logits / T) restricted to the hand-derived support, renormalised
         scaled = np.asarray(logits[0], np.float64) / temperature
@@ -100,7 +103,7 @@ def test_sample_step_follows_the_processed_distribution_chi_squared():
         chi2, pvalue = stats.chisquare(counts[support], n * p)
         assert pvalue > 1e-3, (temperature, top_k, top_p, chi2, pvalue)
         # processed logprob returned is log p of the drawn token under that distribution
-        lookup = dict(zip(support.tolist(), np.log(p)))
+        lookup = dict(zip(support.tolist(), np.log(p), strict=True))
         np.testing.assert_allclose(np.asarray(proc)[:50, 0], [lookup[t] for t in tokens[:50]], rtol=1e-5)
 
 
@@ -147,8 +150,8 @@ def test_top_k_and_top_p_mask_exactly_the_right_tokens():
 def test_sampled_tokens_stay_in_the_top_k_of_the_full_forward(model, sampler):
     prompts = PROMPTS
     out = sampler.generate(prompts, SamplingParams(temperature=1.0, top_k=3, max_new_tokens=8, seed=3))
-    all_logits = full_logits(model, [p + s.output_ids.tolist() for p, (s,) in zip(prompts, out)])
-    for prompt, (sample,), logits in zip(prompts, out, all_logits):
+    all_logits = full_logits(model, [p + s.output_ids.tolist() for p, (s,) in zip(prompts, out, strict=True)])
+    for prompt, (sample,), logits in zip(prompts, out, all_logits, strict=True):
         for step, token in enumerate(sample.output_ids):
             top3 = np.argsort(-logits[len(prompt) - 1 + step], kind="stable")[:3]
             assert token in top3
@@ -159,7 +162,7 @@ def test_stop_ids_end_a_sample_and_mask_what_follows(model, sampler):
     first = sampler.generate(PROMPTS, greedy)
     stop = int(first[0][0].output_ids[2])
     out = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,)))
-    for (full,), (cut,) in zip(first, out):
+    for (full,), (cut,) in zip(first, out, strict=True):
         hits = np.flatnonzero(full.output_ids == stop)
         if hits.size:
             assert cut.finish_reason == "stop" and cut.output_ids.size == hits[0] + 1
@@ -185,7 +188,7 @@ def test_seeds_are_per_sample_and_independent_of_the_batch(sampler):
             np.testing.assert_array_equal(mine[i][j].output_ids, padded[i][j].output_ids)
     assert not np.array_equal(mine[1][0].output_ids, mine[1][1].output_ids)
     reseeded = sampler.generate(PROMPTS[:4], SamplingParams(temperature=1.0, max_new_tokens=8, seed=12), n=2)
-    assert any(not np.array_equal(a.output_ids, b.output_ids) for a, b in zip(mine[1], reseeded[1]))
+    assert any(not np.array_equal(a.output_ids, b.output_ids) for a, b in zip(mine[1], reseeded[1], strict=True))
 
 
 def test_processed_logprobs_are_the_filtered_distribution(model, sampler):
@@ -209,8 +212,9 @@ def test_float32_recompute_residual(model, sampler):
     batch = score_with_learner(model, collect(sampler, PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8,
                                                                                seed=1)))
     overall = build_report(batch)["overall"]
+    identical = batch.learner_logprobs[batch.model_mask] == batch.rollout_logprobs[batch.model_mask]
     print(f"\nfloat32 recompute: max|dlogp| {overall['abs_log_ratio_max']:.3g}  k3 {overall['k3']:.3g}  "
-          f"identical tokens {np.mean(batch.learner_logprobs[batch.model_mask] == batch.rollout_logprobs[batch.model_mask]):.3f}")
+          f"identical tokens {np.mean(identical):.3f}")
     assert overall["abs_log_ratio_max"] < 5e-6
     assert overall["k3"] < 1e-11
 
@@ -229,14 +233,14 @@ def test_update_weights_reads_the_learner_arrays_without_copy(model):
     learner = make_model(seed=1)
     sampler = JaxSampler(learner, max_cache_len=64, max_batch=8)
     state = nnx.state(learner)
-    for mine, theirs in zip(jax.tree.leaves(sampler.state), jax.tree.leaves(state)):
+    for mine, theirs in zip(jax.tree.leaves(sampler.state), jax.tree.leaves(state), strict=True):
         assert mine is theirs
     before = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
     sampler.update_weights(nnx.state(model), "v2")
     assert sampler.weight_version == "v2"
     after = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
     assert after[0][0].weight_version == "v2"
-    assert any(not np.array_equal(a[0].output_ids, b[0].output_ids) for a, b in zip(before, after))
+    assert any(not np.array_equal(a[0].output_ids, b[0].output_ids) for a, b in zip(before, after, strict=True))
     wrong = jax.tree.map(lambda x: x[..., :1] if x.ndim == 1 else x, nnx.state(model))
     with pytest.raises(ValueError, match="final_norm.*has shape"):
         sampler.update_weights(wrong, "v3")
@@ -271,8 +275,8 @@ def test_moe_routed_experts_match_the_full_forward():
     moe = make_model(num_layers=1, mlp_types=("moe",), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     sampler = JaxSampler(moe, max_cache_len=64, max_batch=8)
     out = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
-    _, routes = full_forward(moe, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out)])
-    for prompt, (sample,), route in zip(PROMPTS, out, routes):
+    _, routes = full_forward(moe, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out, strict=True)])
+    for prompt, (sample,), route in zip(PROMPTS, out, routes, strict=True):
         assert sample.routed_experts.shape == (8, 1, 2)
         # output token j is predicted from input position len(prompt) - 1 + j
         np.testing.assert_array_equal(sample.routed_experts, route[len(prompt) - 1:len(prompt) + 7])
@@ -289,7 +293,7 @@ def test_sharded_sampler_matches_one_device(model, sampler):
     on_mesh = JaxSampler(sharded, max_cache_len=64, max_batch=8, mesh=mesh)
     assert jax.tree.leaves(on_mesh.state)[0].sharding.mesh.shape == mesh.shape
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
-    for (a,), (b,) in zip(sampler.generate(PROMPTS, params), on_mesh.generate(PROMPTS, params)):
+    for (a,), (b,) in zip(sampler.generate(PROMPTS, params), on_mesh.generate(PROMPTS, params), strict=True):
         np.testing.assert_array_equal(a.output_ids, b.output_ids)
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=5e-6)
 
@@ -319,8 +323,8 @@ def test_hybrid_linear_attention_greedy_and_recompute():
                         linear_value_head_dim=8, linear_chunk_size=4)
     sampler = JaxSampler(hybrid, max_cache_len=64, max_batch=8)
     out = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
-    all_logits = full_logits(hybrid, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out)])
-    for prompt, (sample,), logits in zip(PROMPTS, out, all_logits):
+    all_logits = full_logits(hybrid, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out, strict=True)])
+    for prompt, (sample,), logits in zip(PROMPTS, out, all_logits, strict=True):
         steps = logits[len(prompt) - 1:len(prompt) + 7]
         np.testing.assert_array_equal(sample.output_ids, np.argmax(steps, axis=-1))
         expected = special.log_softmax(steps.astype(np.float64), axis=-1)[np.arange(8), sample.output_ids]

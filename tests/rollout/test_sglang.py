@@ -74,7 +74,7 @@ def test_multi_turn_continues_by_ids_and_matches_the_learner(sglang_dense):
     conversations = sglang_dense.engine.continue_conversations(conversations, params)
     conversations = [c.add_environment_tokens([100, 101]) for c in conversations]
     conversations = sglang_dense.engine.continue_conversations(conversations, params)
-    for conversation, prompt in zip(conversations, PROMPTS[:3]):
+    for conversation, prompt in zip(conversations, PROMPTS[:3], strict=True):
         assert conversation.num_model_turns == 2
         assert conversation.token_ids[:len(prompt)].tolist() == prompt
         assert len(conversation.token_ids) == len(prompt) + 6 + 2 + 6
@@ -109,12 +109,12 @@ def test_weight_push_changes_outputs_restores_them_bit_for_bit_and_bumps_the_ver
     assert metrics["push/total_s"] > 0 and metrics["push/probe_max_abs_diff"] <= engine.push_config.probe_atol
     changed = one_at_a_time()
     assert all(s[0].weight_version == "step-1" for s in changed)
-    assert any(not np.array_equal(a[0].output_ids, b[0].output_ids) for a, b in zip(before, changed))
+    assert any(not np.array_equal(a[0].output_ids, b[0].output_ids) for a, b in zip(before, changed, strict=True))
 
     engine.update_weights(original, "step-2")
     after = one_at_a_time()
     assert start_version != "step-2" and all(s[0].weight_version == "step-2" for s in after)
-    for a, b in zip(before, after):
+    for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a[0].output_ids, b[0].output_ids)
         np.testing.assert_array_equal(a[0].output_logprobs, b[0].output_logprobs)  # bit for bit
 
@@ -139,7 +139,7 @@ def test_two_servers_serve_one_batch_complete_and_in_order(sglang_moe):
     prompts = [[(7 * i + j) % 120 + 1 for j in range(2 + i % 5)] for i in range(12)]
     samples = sglang_moe.engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8), n=3)
     assert len(samples) == len(prompts)
-    for prompt, row in zip(prompts, samples):
+    for prompt, row in zip(prompts, samples, strict=True):
         assert len(row) == 3
         for s in row:
             assert s.prompt_ids.tolist() == prompt and len(s.output_ids) == 8
@@ -185,7 +185,7 @@ def test_killed_server_is_restarted_and_the_batch_completes_without_loss_or_dupl
         samples = future.result(timeout=300)
     assert manager.restarts(0) == restarts_before + 1 and manager.pid(0) != old_pid
     assert len(samples) == len(prompts)
-    for prompt, row in zip(prompts, samples):
+    for prompt, row in zip(prompts, samples, strict=True):
         assert len(row) == 2
         for s in row:
             assert s.prompt_ids.tolist() == prompt and len(s.output_ids) == 128

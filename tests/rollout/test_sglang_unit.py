@@ -294,7 +294,8 @@ def test_no_server_outlives_a_crashed_trainer(tmp_path, mode):
          str(pids_file), str(tmp_path / "logs"), mode],
         capture_output=True, text=True, timeout=120)
     assert result.returncode != 0, result.stderr
-    launchers, children = zip(*(map(int, line.split()) for line in pids_file.read_text().split("\n") if line))
+    pids = [tuple(map(int, line.split())) for line in pids_file.read_text().split("\n") if line]
+    launchers, children = zip(*pids, strict=True)
     assert len(launchers) == 2
     # SIGKILL leaves no chance to clean up: the kernel kills the launchers (PR_SET_PDEATHSIG);
     # their children are then SGLang's job (its subprocesses set the same flag), not ours.

@@ -6,7 +6,10 @@ from jaxrl.align.cli import main as align_main
 from jaxrl.align.dump import AlignmentBatch
 from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.trainer.rl import RLTrainer
-from test_loop import files, make_config  # noqa: F401  (files is the module's pytest fixture)
+import test_loop
+from test_loop import make_config
+
+files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
 
 
 def test_dumped_batch_is_token_aligned_and_passes_the_checker(files, tmp_path):

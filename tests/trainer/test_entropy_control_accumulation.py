@@ -1,8 +1,8 @@
 """Clip-Cov and KL-Cov choose tokens once per optimizer step, so the update ignores the micro-batch split.
 
-docs/losses.md#clip-cov-and-kl-cov defines ``Cov_i`` over the N masked tokens of the batch and selects ``floor(r * N)`` of
-them; the trainer's loss (``rl_loss_fn``) must give the same loss and gradient for 1, 2 and 4
-micro-batches of one mini-batch with either control on.
+docs/losses.md#clip-cov-and-kl-cov defines ``Cov_i`` over the N masked tokens of the batch and selects
+``floor(r * N)`` of them; the trainer's loss (``rl_loss_fn``) must give the same loss and gradient for 1, 2
+and 4 micro-batches of one mini-batch with either control on.
 """
 
 import collections
@@ -119,5 +119,5 @@ def test_loss_and_gradient_do_not_depend_on_the_micro_batch_split(name):
         loss, metrics, grad = _loss_and_grad(objective, graphdef, params, batch, micro_batches)
         assert int(metrics[count]) == chosen, micro_batches
         np.testing.assert_allclose(loss, whole_loss, rtol=1e-5, atol=1e-7, err_msg=str(micro_batches))
-        for a, b in zip(grad, whole_grad):
+        for a, b in zip(grad, whole_grad, strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale, err_msg=str(micro_batches))

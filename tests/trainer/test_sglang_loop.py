@@ -72,4 +72,4 @@ def test_rl_steps_with_sglang_engine(tmp_path):
         # Engine (SGLang) vs learner on every generated token: float32 on both sides.
         assert row["mismatch/abs_log_ratio_max"] < 1e-4
         assert row["push/probe_max_abs_diff"] < 1e-5
-    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))

@@ -96,7 +96,7 @@ class SGLangEngine(RolloutEngine):
         responses = self._client.map(calls)
         local = [parse_samples(r, prompts[i], params, n, self._moe_top_k,
                                f"{self.manager.describe(k % num_servers)}, {names[i]}")
-                 for k, (i, r) in enumerate(zip(mine, responses))]
+                 for k, (i, r) in enumerate(zip(mine, responses, strict=True))]
         return self._gather(local, prompts, params, n)
 
     def update_weights(self, params, version: str) -> dict[str, float]:

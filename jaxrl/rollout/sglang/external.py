@@ -69,7 +69,8 @@ class ExternalServers:
                        if not self._api_key else
                        f"the API key from {source} is not the one it was started with (--api-key)"))
         if len(set(versions)) > 1:
-            raise ValueError(f"the servers serve different weight versions {dict(zip(self.urls, versions))}; "
+            served = dict(zip(self.urls, versions, strict=True))
+            raise ValueError(f"the servers serve different weight versions {served}; "
                              "point at servers with the same weights")
         self._weight_version = versions[0]
 

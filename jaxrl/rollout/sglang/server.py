@@ -221,7 +221,7 @@ class ServerManager:
         log_dir = pathlib.Path(config.log_dir)
         self._servers = [
             _Server(i, port, url, log_dir / f"server-{i}-port-{port}.log")
-            for i, (port, url) in enumerate(zip(config.ports, config.urls))
+            for i, (port, url) in enumerate(zip(config.ports, config.urls, strict=True))
         ]
         self._model_path = config.model_path
         self._weight_version = "default"
