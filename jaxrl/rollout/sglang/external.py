@@ -13,6 +13,7 @@ import requests
 
 from jaxrl.rollout.base import LogprobKind
 from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, auth_headers, valid_key
+from jaxrl.rollout.sglang.fleet import ServedWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +24,7 @@ class ExternalFleetConfig:
     return_routed_experts: bool = False
 
 
-class ExternalServers:
+class ExternalServers(ServedWeights):
     """SGLang servers started by someone else (or a router), as a ``Fleet`` (fleet.py).
 
     Nothing restarts them (``ensure_running`` is always False), so a request that keeps
@@ -81,17 +82,6 @@ class ExternalServers:
     @property
     def num_servers(self) -> int:
         return len(self.urls)
-
-    @property
-    def model_path(self) -> str:
-        return self._model_path
-
-    @property
-    def weight_version(self) -> str:
-        return self._weight_version
-
-    def record_weights(self, model_path: str, weight_version: str) -> None:
-        self._model_path, self._weight_version = model_path, weight_version
 
     def describe(self, index: int) -> str:
         return f"SGLang server {index} at {self.urls[index]} (started outside jaxrl)"

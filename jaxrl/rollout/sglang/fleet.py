@@ -61,3 +61,25 @@ class Fleet(Protocol):
 
     def record_weights(self, model_path: str, weight_version: str) -> None:
         """Remembers a verified push, so that a restarted server comes back with those weights."""
+
+
+class ServedWeights:
+    """The checkpoint a fleet serves and its version, with ``Fleet``'s ``model_path``,
+    ``weight_version`` and ``record_weights``: the part ``ServerManager`` and ``ExternalServers``
+    share (set ``_model_path`` and ``_weight_version`` in ``__init__``)."""
+
+    _model_path: str
+    _weight_version: str
+
+    @property
+    def model_path(self) -> str:
+        """The checkpoint a (re)started server loads: the last one pushed, else the initial one."""
+        return self._model_path
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def record_weights(self, model_path: str, weight_version: str) -> None:
+        """Remembers pushed weights so a restarted server comes back with them, not the initial ones."""
+        self._model_path, self._weight_version = model_path, weight_version

@@ -36,6 +36,7 @@ import requests
 
 from jaxrl.rollout.base import LogprobKind
 from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, is_loopback, redact, valid_key
+from jaxrl.rollout.sglang.fleet import ServedWeights
 from jaxrl.rollout.sglang.processes import (LAUNCH_API_KEY_ENV, LAUNCHER, forget_at_exit, signal_group,
                                             stop_at_exit)
 
@@ -204,7 +205,7 @@ class _Server:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-class ServerManager:
+class ServerManager(ServedWeights):
     """Owns ``config.num_servers`` SGLang servers. Use as a context manager or call ``stop()``.
 
     Thread-safe: ``ensure_running(i)`` may be called from many request threads at
@@ -295,19 +296,6 @@ class ServerManager:
     def is_running(self, index: int) -> bool:
         process = self._servers[index].process
         return process is not None and process.poll() is None
-
-    @property
-    def model_path(self) -> str:
-        """The checkpoint a (re)started server loads: the last one pushed, else the config's."""
-        return self._model_path
-
-    @property
-    def weight_version(self) -> str:
-        return self._weight_version
-
-    def record_weights(self, model_path: str, weight_version: str) -> None:
-        """Remembers pushed weights so a restarted server comes back with them, not the initial ones."""
-        self._model_path, self._weight_version = model_path, weight_version
 
     def restarts(self, index: int) -> int:
         return max(self._servers[index].starts - 1, 0)
