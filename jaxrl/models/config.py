@@ -18,6 +18,9 @@ import jax.numpy as jnp
 ATTENTION_KIND_NAMES = ("full_attention", "lightning_attention", "gated_deltanet")
 REMAT_POLICY_NAMES = ("full", "save_dots", "save_attention_out")
 MLP_KINDS = ("dense", "moe")
+# Softmax-attention implementation (`ModelConfig.attention_impl`): "auto" picks one per backend;
+# `jaxrl.models.attention.ATTENTION_IMPLS` maps every other name to its function.
+ATTENTION_IMPL_NAMES = ("auto", "xla", "chunked")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # transformers `architectures` / `model_type` of the families this package reads and writes.
@@ -79,7 +82,9 @@ class ModelConfig:
     `param_dtype` stores the weights, `dtype` is the matmul compute dtype; norms, the residual
     stream, router, LM head and log-softmax stay float32 (docs/models.md#numerics-and-dtypes).
     `remat` is the activation-rematerialisation policy of each block: "none" or one of
-    `REMAT_POLICY_NAMES`.
+    `REMAT_POLICY_NAMES`. `attention_impl` (one of `ATTENTION_IMPL_NAMES`) is how softmax attention
+    runs and `attention_block_size` the query/key block of the chunked form
+    (docs/models.md#attention-implementations); like `dtype` and `remat` they are runtime choices, not HF fields.
     """
 
     vocab_size: int
@@ -104,6 +109,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: str = "none"
+    attention_impl: str = "auto"
+    attention_block_size: int = 512
     # Hybrid linear-attention families (MiniMax-Text-01, Qwen3-Next); defaults give Qwen3.
     qk_norm: bool = True  # per-head q/k RMSNorm in softmax attention (MiniMax: False)
     attention_output_gate: bool = False  # Qwen3-Next: q_proj also yields a per-head sigmoid output gate
@@ -182,6 +189,13 @@ class ModelConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"ModelConfig.linear_num_value_heads ({self.linear_num_value_heads}) must be a "
                                  f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.attention_impl not in ATTENTION_IMPL_NAMES:
+            raise ValueError(f"ModelConfig.attention_impl = {self.attention_impl!r}; "
+                             f"choose one of {list(ATTENTION_IMPL_NAMES)}")
+        if (not isinstance(self.attention_block_size, int) or isinstance(self.attention_block_size, bool)
+                or self.attention_block_size < 1):
+            raise ValueError("ModelConfig.attention_block_size must be a positive integer, "
+                             f"got {self.attention_block_size!r}")
         if self.remat != "none" and self.remat not in REMAT_POLICY_NAMES:
             raise ValueError(f"ModelConfig.remat = {self.remat!r}; choose 'none' or one of {list(REMAT_POLICY_NAMES)}")
 
@@ -205,7 +219,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
         """Read a transformers Qwen3 / Qwen3-MoE / MiniMax / Qwen3-Next `config.json` dict; `overrides` set our own
-        fields (dtype, param_dtype, remat). Another architecture raises a ValueError naming it."""
+        fields (dtype, param_dtype, remat, attention_impl, attention_block_size). Another
+        architecture raises a ValueError naming it."""
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or []
         if model_type not in HF_FAMILIES or any(a != HF_FAMILIES[model_type] for a in architectures):

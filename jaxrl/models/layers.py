@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxrl.models.attention import attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.sharding import constrain, logical_to_spec
 
@@ -85,6 +86,8 @@ class Attention(nnx.Module):
     Keys are masked by `kv_slot <= q_slot` and equal segment ids, so the same code serves the
     full forward (slots = positions in the sequence) and decoding into a KV cache (slots =
     cache rows). Padding has segment id 0 and never attends to or is attended by real tokens.
+    The softmax itself runs in `jaxrl.models.attention`, the implementation chosen by
+    `config.attention_impl` (docs/models.md#attention-implementations).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_index: int = 0):
@@ -133,13 +136,10 @@ class Attention(nnx.Module):
             k, v = cache["k"], cache["v"]
             q_slot = q_slot + write_index[:, None]
             kv_slot = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), kv_segment_ids.shape)
-        mask = (kv_slot[:, None, :] <= q_slot[:, :, None]) & (kv_segment_ids[:, None, :] == segment_ids[:, :, None])
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=F32) * (c.head_dim ** -0.5)
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(F32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=F32)
+        out = attention(q, k, v, q_slot, kv_slot, segment_ids, kv_segment_ids, impl=c.attention_impl,
+                        scale=c.head_dim ** -0.5, dtype=dtype, block_size=c.attention_block_size)
         out = out.reshape(batch, length, c.num_heads, c.head_dim)
         if c.attention_output_gate:
             out = out * jax.nn.sigmoid(gate)

@@ -1,0 +1,285 @@
+"""Softmax attention kernels: pure functions, arrays in and out (docs/models.md#attention-implementations).
+
+Shapes: ``B`` rows, ``T`` queries, ``S`` keys (the sequence, or the rows of a KV cache), ``K`` key/value
+heads, ``G`` query heads per key/value head (grouped-query attention), head size ``D``.
+
+Every implementation computes the same function. With
+``q [B, T, K, G, D]``, ``k, v [B, S, K, D]``, integer ``q_slot``, ``q_segment_ids`` ``[B, T]`` and
+``kv_slot``, ``kv_segment_ids`` ``[B, S]``:
+
+    visible[b, t, s] = kv_slot[b, s] <= q_slot[b, t]  and  kv_segment_ids[b, s] == q_segment_ids[b, t]
+    score[b, k, g, t, s] = scale * q[b, t, k, g] . k[b, s, k]                     (float32)
+    p = softmax over the visible s of score                                         (float32)
+    out[b, t, k, g] = sum_s p[b, k, g, t, s] * v[b, s, k]                           ([B, T, K, G, D] float32)
+
+and ``out = 0`` (zero gradients) on a row with no visible key. Segment id 0 is padding, compared like
+any other id: padding never attends to or is attended by real tokens, and a padded query attends to
+the padding keys before it (its output is never used). The full forward passes
+``q_slot = kv_slot = arange(T)``; decoding with a KV cache passes ``q_slot = write_index + arange(T)``
+and ``kv_slot = arange(S)`` (T = 1 per step, T = prompt length for a prefill).
+
+Matmul inputs are in the compute ``dtype`` (the probabilities are cast to it before the value matmul),
+accumulation and the softmax are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.models.config import ATTENTION_IMPL_NAMES
+
+F32 = jnp.float32
+_INT_MIN, _INT_MAX = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
+# Slots of the internal padding: a padded query sees no key, a padded key is seen by no query.
+_Q_PAD_SLOT, _KV_PAD_SLOT = _INT_MIN, _INT_MAX
+
+
+def _at(x, i):
+    """x[i] along the leading (block) axis, as a dynamic slice."""
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def visibility(q_slot, kv_slot, q_segment_ids, kv_segment_ids) -> jax.Array:
+    """[B, T, S] bool: key s is visible to query t (causal in slots, same segment id)."""
+    return ((kv_slot[:, None, :] <= q_slot[:, :, None])
+            & (kv_segment_ids[:, None, :] == q_segment_ids[:, :, None]))
+
+
+def xla_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, scale: float, dtype) -> jax.Array:
+    """Attention with the full score tensor (memory O(T S)): XLA fuses the einsums, the mask and the softmax.
+
+    q [B, T, K, G, D], k/v [B, S, K, D], slots and segment ids [B, T] / [B, S] -> [B, T, K, G, D] float32.
+    ``scores [B, K, G, T, S] = scale * q k^T`` in float32, masked to ``finfo(float32).min``, softmax in
+    float32, probabilities cast to ``dtype`` for ``probs @ v``; rows with no visible key give 0.
+    """
+    mask = visibility(q_slot, kv_slot, q_segment_ids, kv_segment_ids)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=F32) * scale
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype), preferred_element_type=F32)
+    return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None, None], out, 0.0)
+
+
+# ---- chunked (FlashAttention-2 style) -----------------------------------------------------------------
+
+
+def _block_size(length: int, block: int) -> int:
+    """Balanced blocks of at most `block`: ceil(length / ceil(length / block)), rounded up to a multiple of 8
+    when >= 8 and that stays <= block, so the internal padding is small (length 700, block 512: 2 x 352,
+    not 1024 rows; a one-token decode step stays one row)."""
+    size = -(-length // -(-length // block))
+    rounded = -(-size // 8) * 8
+    return rounded if size >= 8 and rounded <= block else size
+
+
+def _block_visibility(q_slot, q_seg, kv_slot, kv_seg):
+    """Which (query block, key block) pairs may hold a visible pair, from per-block summaries.
+
+    q_slot, q_seg [nq, B, bq]; kv_slot, kv_seg [nk, B, bk] (padding marked by the pad slots). Block
+    (i, j) may see something in row b when the first key slot is <= the last query slot and the
+    blocks' segment-id ranges overlap: conservative (a block it keeps may still be fully masked,
+    the mask inside handles that) and O(B nq nk), never O(B T S). Returns (visible [nq, nk] bool,
+    any batch row), and per query block the first / one-past-last visible key block, per key block
+    the first / one-past-last query block that sees it (0, 0 when none), all int32.
+    """
+    q_valid, kv_valid = q_slot != _Q_PAD_SLOT, kv_slot != _KV_PAD_SLOT
+    q_last = jnp.max(q_slot, axis=-1)  # [nq, B]; a fully padded block gives INT_MIN
+    kv_first = jnp.min(kv_slot, axis=-1)  # [nk, B]; a fully padded block gives INT_MAX
+    q_lo = jnp.min(jnp.where(q_valid, q_seg, _INT_MAX), axis=-1)
+    q_hi = jnp.max(jnp.where(q_valid, q_seg, _INT_MIN), axis=-1)
+    kv_lo = jnp.min(jnp.where(kv_valid, kv_seg, _INT_MAX), axis=-1)
+    kv_hi = jnp.max(jnp.where(kv_valid, kv_seg, _INT_MIN), axis=-1)
+    visible = jnp.any((kv_first[None] <= q_last[:, None]) & (q_lo[:, None] <= kv_hi[None])
+                      & (kv_lo[None] <= q_hi[:, None]), axis=-1)  # [nq, nk]
+
+    def bounds(vis):  # [n, m] -> first and one-past-last True of each row
+        seen = jnp.any(vis, axis=-1)
+        first = jnp.argmax(vis, axis=-1)
+        stop = vis.shape[-1] - jnp.argmax(vis[:, ::-1], axis=-1)
+        return jnp.where(seen, first, 0).astype(jnp.int32), jnp.where(seen, stop, 0).astype(jnp.int32)
+
+    return visible, bounds(visible), bounds(visible.T)
+
+
+def _block_scores(qi, kj, qs, ks, qseg, kseg, scale):
+    """qi [B, bq, K, G, D], kj [B, bk, K, D] -> (masked scores [B, K, G, bq, bk] f32 (-inf where
+    masked), mask [B, 1, 1, bq, bk])."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=F32) * scale
+    mask = visibility(qs, ks, qseg, kseg)[:, None, None]
+    return jnp.where(mask, s, -jnp.inf), mask
+
+
+def _flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype):
+    """Blocked inputs (q [nq, B, bq, K, G, D], k/v [nk, B, bk, K, D], slots/segments [n, B, b]) ->
+    (out [nq, B, bq, K, G, D] f32, lse [nq, B, K, G, bq] f32: log sum exp of the visible scores, 0 on
+    rows that see nothing). Online softmax over the key blocks a query block can see."""
+    visible, (k_first, k_stop), _ = _block_visibility(q_slot, q_seg, kv_slot, kv_seg)
+    _, batch, bq, heads, groups, dim = q.shape
+
+    def query_block(xs):
+        qi, qs, qseg, vis, first, stop = xs
+
+        def step(j, carry):
+            def compute(carry):
+                m, total, acc = carry
+                s, _ = _block_scores(qi, _at(k, j), qs, _at(kv_slot, j), qseg, _at(kv_seg, j), scale)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no NaN from (-inf) - (-inf)
+                p = jnp.exp(s - m_safe[..., None])  # masked -> 0
+                correction = jnp.exp(m - m_safe)  # m = -inf (nothing seen yet) -> 0
+                pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(dtype), _at(v, j).astype(dtype),
+                                preferred_element_type=F32)
+                return m_new, total * correction + jnp.sum(p, axis=-1), acc * correction[..., None] + pv
+
+            return jax.lax.cond(_at(vis, j), compute, lambda c: c, carry)
+
+        init = (jnp.full((batch, heads, groups, bq), -jnp.inf, F32), jnp.zeros((batch, heads, groups, bq), F32),
+                jnp.zeros((batch, heads, groups, bq, dim), F32))
+        m, total, acc = jax.lax.fori_loop(first, stop, step, init)
+        seen = total > 0
+        total = jnp.where(seen, total, 1.0)
+        out = jnp.where(seen[..., None], acc / total[..., None], 0.0)
+        lse = jnp.where(seen, m + jnp.log(total), 0.0)
+        return out.transpose(0, 3, 1, 2, 4), lse
+
+    return jax.lax.map(query_block, (q, q_slot, q_seg, visible, k_first, k_stop))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype):
+    return _flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype)[0]
+
+
+def _flash_fwd(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype):
+    out, lse = _flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype)
+    return out, (q, k, v, q_slot, kv_slot, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(scale, dtype, residuals, d_out):
+    """Recomputes each visible block's probabilities ``p = exp(s - lse)``; with ``delta = rowsum(dO * O)``:
+    ``dV += p^T dO``, ``dP = dO V^T``, ``dS = p (dP - delta)``, ``dQ += scale dS K``, ``dK += scale dS^T Q``.
+    Key blocks outside (their dK, dV accumulate in float32 and are written once), the query blocks
+    that see each key block inside; dQ [nq, B, bq, K, G, D] float32 is carried through."""
+    q, k, v, q_slot, kv_slot, q_seg, kv_seg, out, lse = residuals
+    visible, _, (q_first, q_stop) = _block_visibility(q_slot, q_seg, kv_slot, kv_seg)
+    d_out = d_out.astype(F32)
+    delta = jnp.sum(d_out * out, axis=-1).transpose(0, 1, 3, 4, 2)  # [nq, B, K, G, bq]
+    d_out_c = d_out.astype(dtype)
+
+    def key_block(d_q, xs):
+        kj, vj, ks, kseg, vis, first, stop = xs
+
+        def step(i, carry):
+            def compute(_):
+                qi, d_out_i = _at(q, i), _at(d_out_c, i)
+                s, mask = _block_scores(qi, kj, _at(q_slot, i), ks, _at(q_seg, i), kseg, scale)
+                p = jnp.where(mask, jnp.exp(s - _at(lse, i)[..., None]), 0.0)  # [B, K, G, bq, bk]
+                dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(dtype), d_out_i, preferred_element_type=F32)
+                dp = jnp.einsum("bqkgd,bskd->bkgqs", d_out_i, vj.astype(dtype), preferred_element_type=F32)
+                ds = (p * (dp - _at(delta, i)[..., None])).astype(dtype)
+                dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=F32) * scale
+                dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qi, preferred_element_type=F32) * scale
+                return dq, dk, dv
+
+            def skip(_):
+                return (jnp.zeros(q.shape[1:], F32), jnp.zeros(kj.shape, F32), jnp.zeros(vj.shape, F32))
+
+            d_q, d_k, d_v = carry
+            dq, dk, dv = jax.lax.cond(_at(vis, i), compute, skip, None)
+            d_q = jax.lax.dynamic_update_index_in_dim(d_q, _at(d_q, i) + dq, i, 0)
+            return d_q, d_k + dk, d_v + dv
+
+        init = (d_q, jnp.zeros(kj.shape, F32), jnp.zeros(vj.shape, F32))
+        d_q, d_k, d_v = jax.lax.fori_loop(first, stop, step, init)
+        return d_q, (d_k.astype(k.dtype), d_v.astype(v.dtype))
+
+    xs = (k, v, kv_slot, kv_seg, visible.T, q_first, q_stop)
+    d_q, (d_k, d_v) = jax.lax.scan(key_block, jnp.zeros(q.shape, F32), xs)
+    return d_q.astype(q.dtype), d_k, d_v, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def chunked_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, scale: float, dtype,
+                      block_q: int = 512, block_k: int = 512) -> jax.Array:
+    """Blockwise attention with an online softmax and a recomputing backward (FlashAttention-2 in XLA).
+
+    Same arguments and result as `xla_attention` (q [B, T, K, G, D], k/v [B, S, K, D] -> [B, T, K, G, D]
+    float32). Queries go in blocks of at most `block_q`, keys in blocks of at most `block_k` (balanced
+    sizes; T and S are padded internally with slots nobody sees). Per query block, a running max
+    ``m``, sum ``l`` and accumulator ``acc`` (float32) are updated over key blocks:
+    ``m' = max(m, max_s s)``, ``l' = l e^{m - m'} + sum_s e^{s - m'}``,
+    ``acc' = acc e^{m - m'} + e^{s - m'} v``; ``out = acc / l``. A (query block, key block) pair that
+    cannot hold a visible pair (from the blocks' slot and segment ranges: above the causal diagonal,
+    other packed sequences, unwritten cache rows) is skipped: the key loop runs from the first to the
+    last block the query block may see and `lax.cond` skips the others in between. A `custom_vjp`
+    saves only the output and the per-row logsumexp and recomputes the probabilities block by
+    block in the backward, so activation memory is O(T (D + block)) per head, never O(T S).
+    Differentiable with respect to q, k and v (reverse mode only).
+    """
+    batch, length, heads, groups, dim = q.shape
+    keys = k.shape[1]
+    bq, bk = _block_size(length, block_q), _block_size(keys, block_k)
+    pad_q, pad_k = -length % bq, -keys % bk
+
+    def blocked(x, pad, block, fill):  # [B, L, ...] -> [L / block, B, block, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        x = x.reshape(x.shape[0], -1, block, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    as_int = functools.partial(jnp.asarray, dtype=jnp.int32)
+    out = _flash(blocked(q, pad_q, bq, 0), blocked(k, pad_k, bk, 0), blocked(v, pad_k, bk, 0),
+                 blocked(as_int(q_slot), pad_q, bq, _Q_PAD_SLOT), blocked(as_int(kv_slot), pad_k, bk, _KV_PAD_SLOT),
+                 blocked(as_int(q_segment_ids), pad_q, bq, 0), blocked(as_int(kv_segment_ids), pad_k, bk, 0),
+                 float(scale), dtype)
+    return jnp.moveaxis(out, 0, 1).reshape(batch, -1, heads, groups, dim)[:, :length]
+
+
+# ---- the switch -----------------------------------------------------------------------------------------
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def _xla_impl(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, scale, dtype, block_size):
+    del block_size
+    return xla_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, scale=scale, dtype=dtype)
+
+
+def _chunked_impl(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, scale, dtype, block_size):
+    return chunked_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, scale=scale, dtype=dtype,
+                             block_q=block_size, block_k=block_size)
+
+
+# `ModelConfig.attention_impl` name (config.ATTENTION_IMPL_NAMES except "auto") -> implementation, called as
+# `fn(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, scale, dtype, block_size)`. Fused
+# kernels (cuDNN through jax.nn.dot_product_attention, the Pallas splash kernel on TPU) join here, and
+# `AUTO_IMPLS` then picks them per backend.
+ATTENTION_IMPLS: dict[str, AttentionFn] = {
+    "xla": _xla_impl,
+    "chunked": _chunked_impl,
+}
+# What "auto" means per `jax.default_backend()`; a backend not listed gets AUTO_DEFAULT.
+AUTO_IMPLS: dict[str, str] = {}
+AUTO_DEFAULT = "chunked"
+
+
+def resolve_attention_impl(name: str, backend: str | None = None) -> str:
+    """The implementation `name` runs on `backend` (default: jax's): "auto" -> AUTO_IMPLS / AUTO_DEFAULT."""
+    if name not in ATTENTION_IMPL_NAMES:
+        raise ValueError(f"attention_impl = {name!r}; choose one of {list(ATTENTION_IMPL_NAMES)}")
+    if name == "auto":
+        return AUTO_IMPLS.get(backend or jax.default_backend(), AUTO_DEFAULT)
+    return name
+
+
+def attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, impl: str = "auto", scale: float,
+              dtype, block_size: int = 512) -> jax.Array:
+    """Dispatch to `ATTENTION_IMPLS[resolve_attention_impl(impl)]`; shapes as `xla_attention`."""
+    fn = ATTENTION_IMPLS[resolve_attention_impl(impl)]
+    return fn(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, scale=scale, dtype=dtype,
+              block_size=block_size)
