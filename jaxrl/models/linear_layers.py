@@ -7,8 +7,17 @@ fixed-size float32 recurrent state as their decode cache (`init_cache`; `max_len
 Without a cache the chunked form runs from a zero state and returns no cache; with one, a
 prompt of T > 1 tokens runs the chunked form from the cached state and a single token runs the
 recurrent form, each returning the new state. Positions and cache rows are not needed: the
-state carries the past. Padding (segment id 0) is zeroed at the input, as transformers does;
-rows must hold one sequence each (packed segments would leak through the state).
+state carries the past. Padding (segment id 0) is zeroed at the input, as transformers does.
+
+Packed rows (full forward): a row may hold several segments (ids 1, 2, ...; 0 = padding), and each
+gets exactly the outputs it gets alone. Padding is no segment: a token belongs to the last nonzero
+segment id at or before it (`carried_segments`): padding continues the segment before it, so a row
+holding one sequence, padded anywhere, has no reset and computes the numbers of the cached path. A token
+whose carried segment differs from the previous token's starts a new segment: the recurrent state
+carried into it is dropped (decay 0, `reset` of the kernels), and GatedDeltaNet's short convolution
+reads no token of another segment (its window is masked by carried segment). With a cache (the
+sampler's layout) rows hold one sequence each and nothing resets, since a prompt piece cannot tell
+padding inside a sequence from a segment start.
 
 - `LightningAttention`: MiniMax-Text-01's layer (`MiniMaxLightningAttention`):
   `q, k, v = silu(x W_qkv)` per head, per-head decay `lambda_h = exp(-slope_h)` with ALiBi-style
@@ -62,6 +71,22 @@ def _mask_padding(x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
     return x if segment_ids is None else x * (segment_ids != 0)[..., None].astype(x.dtype)
 
 
+def carried_segments(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`segment_ids [B, T]` -> (carried `[B, T]`, reset `[B, T]` bool): carried_t is the last nonzero
+    segment id at or before t (0 before the first), reset_t that carried_t differs from carried_{t-1}
+    (never at t = 0: the state before the row is the layer's own)."""
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+    last_real = jax.lax.cummax(jnp.where(segment_ids != 0, index, -1), axis=1)
+    carried = jnp.where(last_real >= 0, jnp.take_along_axis(segment_ids, jnp.maximum(last_real, 0), axis=1), 0)
+    return carried, jnp.pad(carried[:, 1:] != carried[:, :-1], [(0, 0), (1, 0)])
+
+
+def _segments(segment_ids, cache) -> tuple[jax.Array | None, jax.Array | None]:
+    """(carried, reset) for the full forward of a row that may be packed; (None, None) with a cache or
+    without segment ids (one sequence per row)."""
+    return (None, None) if cache is not None or segment_ids is None else carried_segments(segment_ids)
+
+
 def lightning_log_decay(num_heads: int, layer_idx: int, num_layers: int) -> tuple[float, ...]:
     """MiniMax per-head log-decay `-slope_h`: slope_h = 2^(-8 (h+1) / H) * (1 - l / (L - 1 + 1e-5) + 1e-5)."""
     if not 0 <= layer_idx < num_layers:
@@ -93,6 +118,7 @@ class LightningAttention(nnx.Module):
         """x `[B, T, hidden]` -> (y `[B, T, hidden]` float32, state or None)."""
         batch, length, _ = x.shape
         x = _mask_padding(x, segment_ids)
+        _, reset = _segments(segment_ids, cache)
         qkv = jax.nn.silu(matmul(x, self.qkv_proj[...], "btd,de->bte", self.dtype))
         q, k, v = jnp.split(qkv.reshape(batch, length, self.num_heads, 3 * self.head_dim), 3, axis=-1)
         log_decay = jnp.asarray(self.log_decay, jnp.float32)
@@ -101,11 +127,24 @@ class LightningAttention(nnx.Module):
             mixed = mixed[:, None]
         else:
             mixed, state = kernels.lightning_attention(q, k, v, log_decay, chunk_size=self.chunk_size,
-                                                       initial_state=cache)
+                                                       initial_state=cache, reset=reset)
         normed = self.norm[...].astype(jnp.float32) * _rms_normalize(mixed.reshape(batch, length, -1),
                                                                      LIGHTNING_NORM_EPS)
         gated = jax.nn.sigmoid(matmul(x, self.output_gate[...], "btd,de->bte", self.dtype)) * normed
         return matmul(gated, self.out_proj[...], "bte,ed->btd", self.dtype), (None if cache is None else state)
+
+
+def _short_conv(history: jax.Array, kernel: jax.Array, carried: jax.Array | None) -> jax.Array:
+    """silu of the depthwise causal convolution `y_t = sum_j kernel_j x_{t-K+1+j}` over `history [B, K-1+T,
+    C]` (K-1 earlier inputs, then the T new ones), `kernel [K, C]`. With `carried [B, T]` (packed
+    rows) a tap whose token lies in another carried segment reads 0, as before a sequence's start
+    (the K-1 earlier slots, zeros in the full forward, are masked too)."""
+    width, length = kernel.shape[0], history.shape[1] - kernel.shape[0] + 1
+    taps = [history[:, j : j + length] for j in range(width)]
+    if carried is not None:
+        source = jnp.pad(carried, [(0, 0), (width - 1, 0)], constant_values=-1)
+        taps = [jnp.where((source[:, j : j + length] == carried)[..., None], tap, 0.0) for j, tap in enumerate(taps)]
+    return jax.nn.silu(sum(kernel[j] * tap for j, tap in enumerate(taps)))
 
 
 class DeltaNetState(NamedTuple):
@@ -155,6 +194,7 @@ class GatedDeltaNet(nnx.Module):
         hk, hv, group = self.num_key_heads, self.num_value_heads, self.group
         dk, dv = self.key_head_dim, self.value_head_dim
         x = _mask_padding(x, segment_ids)
+        carried, reset = _segments(segment_ids, cache)
         qkvz = matmul(x, self.in_proj_qkvz[...], "btd,de->bte", self.dtype)
         q, k, v, z = jnp.split(qkvz.reshape(batch, length, hk, 2 * dk + 2 * group * dv),
                                [dk, 2 * dk, 2 * dk + group * dv], axis=-1)
@@ -164,8 +204,7 @@ class GatedDeltaNet(nnx.Module):
 
         # Depthwise causal convolution over [previous inputs, new inputs]; the tail is the next state.
         history = jnp.concatenate([state.conv, mixed], axis=1)
-        kernel = self.conv1d[...].astype(jnp.float32)
-        mixed = jax.nn.silu(sum(kernel[j] * history[:, j : j + length] for j in range(self.conv_kernel_size)))
+        mixed = _short_conv(history, self.conv1d[...].astype(jnp.float32), carried)
         conv_state = history[:, history.shape[1] - (self.conv_kernel_size - 1) :]
 
         q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
@@ -182,7 +221,7 @@ class GatedDeltaNet(nnx.Module):
             core = core[:, None]
         else:
             core, recurrent = kernels.gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
-                                                       initial_state=state.recurrent)
+                                                       initial_state=state.recurrent, reset=reset)
         gate = jax.nn.silu(z.reshape(batch, length, hv, dv))
         normed = self.norm[...].astype(jnp.float32) * _rms_normalize(core, self.norm_eps) * gate
         y = matmul(normed.reshape(batch, length, -1), self.out_proj[...], "bte,ed->btd", self.dtype)
