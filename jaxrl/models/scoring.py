@@ -21,10 +21,12 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxrl.models.packing import pack_rows
 from jaxrl.models.sharding import batch_shardings
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -45,12 +47,15 @@ class LogprobScorer:
     ``scorer(params, input_ids, positions, segment_ids, targets)`` runs ``rows`` sequences at a
     time (bounding activation memory; ``None`` = all at once) with any parameter state of the
     model ``graphdef`` describes (the policy, the frozen reference), placed on ``mesh`` when
-    given, and returns host arrays.
+    given, and returns host arrays. With ``pack`` each chunk's sequences share rows
+    (``jaxrl.models.packing``; ``devices``: the data-parallel devices the rows spread over)
+    and the results come back one sequence per row as without.
     """
 
     def __init__(self, graphdef: Any, mesh: jax.sharding.Mesh | None = None, rows: int | None = None,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, *, pack: bool = False, devices: int = 1):
         self.graphdef, self.mesh, self.rows, self.chunk_size = graphdef, mesh, rows, chunk_size
+        self.pack, self.devices = pack, devices
 
     def __call__(self, params, input_ids, positions, segment_ids, targets) -> tuple[np.ndarray, np.ndarray]:
         inputs = (input_ids, positions, segment_ids, targets)
@@ -59,15 +64,20 @@ class LogprobScorer:
         logps, entropies = [], []
         for start in range(0, n, max(rows, 1)):
             chunk = tuple(np.asarray(x[start:start + rows], np.int32) for x in inputs)
-            if self.mesh is None:
-                logp, entropy = _score(self.graphdef, params, *chunk, chunk_size=self.chunk_size, replicate=False)
-            else:
-                with jax.set_mesh(self.mesh):
-                    chunk = jax.device_put(chunk, batch_shardings(chunk, self.mesh))
-                    logp, entropy = _score(self.graphdef, params, *chunk, chunk_size=self.chunk_size, replicate=True)
+            packed = pack_rows(*chunk, devices=self.devices) if self.pack else None
+            logp, entropy = self._score(params, packed.model_inputs() if self.pack else chunk)
+            if packed is not None:
+                logp, entropy = (np.asarray(packed.unpack(jnp.asarray(x))) for x in (logp, entropy))
             logps.append(np.asarray(logp, np.float32))
             entropies.append(np.asarray(entropy, np.float32))
         return np.concatenate(logps), np.concatenate(entropies)
+
+    def _score(self, params, inputs: tuple[np.ndarray, ...]):
+        if self.mesh is None:
+            return _score(self.graphdef, params, *inputs, chunk_size=self.chunk_size, replicate=False)
+        with jax.set_mesh(self.mesh):
+            inputs = jax.device_put(inputs, batch_shardings(inputs, self.mesh))
+            return _score(self.graphdef, params, *inputs, chunk_size=self.chunk_size, replicate=True)
 
 
 def next_token_inputs(token_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, ...]:

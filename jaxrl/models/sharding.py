@@ -183,6 +183,11 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh):
     return nnx.merge(graphdef, jax.device_put(state, shardings)), shardings
 
 
+def batch_devices(mesh: jax.sharding.Mesh) -> int:
+    """How many ways the "batch" logical axis splits rows on ``mesh`` (data-parallel width)."""
+    return math.prod(mesh.shape[axis] for axis in LOGICAL_AXIS_RULES["batch"] if axis in mesh.shape)
+
+
 def batch_shardings(batch: Any, mesh: jax.sharding.Mesh) -> Any:
     """Shardings for a batch pytree: dim 0 is "batch", dim 1 "length", further dims replicated."""
     def sharding(x):

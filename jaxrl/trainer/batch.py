@@ -21,6 +21,7 @@ import numpy as np
 from jaxrl.align.dump import AlignmentBatch
 from jaxrl.losses import loss_normalizer
 from jaxrl.models.scoring import token_aligned
+from jaxrl.models.packing import PackedRows, pack_rows
 
 # The fields the loss reads; the rest (``generated``, ``prompt_lengths``) stay on the host.
 _UPDATE_FIELDS = ("input_ids", "positions", "segment_ids", "targets", "mask", "rollout_logp", "old_logp", "ref_logp",
@@ -113,20 +114,27 @@ class StepBatch:
         """``(input_ids, positions, segment_ids, targets)``, the learner's scoring inputs."""
         return self.input_ids, self.positions, self.segment_ids, self.targets
 
-    def mini_batches(self, count: int, aggregation: str, step: int) -> Iterator["UpdateBatch"]:
+    def mini_batches(self, count: int, aggregation: str, step: int, *, pack: bool = False, micro_batches: int = 1,
+                     devices: int = 1) -> Iterator["UpdateBatch"]:
         """The ``count`` consecutive row blocks of one step's optimizer updates.
 
         Each carries the loss's fields only, the normaliser of its own ``mask`` for the
         ``aggregation`` mode (so every micro-batch split of it gives the same loss) and a key
-        seed unique to (step, block) for anything the loss draws at random.
+        seed unique to (step, block) for anything the loss draws at random. With ``pack`` the
+        model inputs travel as :class:`~jaxrl.models.packing.PackedRows` (several samples per
+        row, packed within each of the ``micro_batches`` groups; ``devices``: the data-parallel
+        devices the rows spread over), and the samples' own inputs stay behind.
         """
         size = self.rows // count
         fields = {name: getattr(self, name) for name in _UPDATE_FIELDS}
         for s in range(count):
             rows = {name: None if value is None else value[s * size:(s + 1) * size] for name, value in fields.items()}
-            tokens = StepBatch(**rows)
+            tokens, packed = StepBatch(**rows), None
+            if pack:
+                packed = pack_rows(*tokens.model_inputs(), groups=micro_batches, devices=devices)
+                tokens = tokens.replace(input_ids=None, positions=None, segment_ids=None, targets=None)
             normalizer = np.float32(loss_normalizer(aggregation, jnp.asarray(tokens.mask)))
-            yield UpdateBatch(tokens=tokens, normalizer=normalizer, key_seed=np.int32(step * count + s))
+            yield UpdateBatch(tokens=tokens, normalizer=normalizer, key_seed=np.int32(step * count + s), packed=packed)
 
     def token_aligned(self, meta: dict) -> AlignmentBatch:
         """The alignment checker's batch of the same sequences: every per-token array moves one
@@ -146,13 +154,24 @@ class StepBatch:
 @dataclasses.dataclass(frozen=True)
 class UpdateBatch:
     """What one optimizer step sees: a mini-batch of rows, its loss normaliser (0-d float32,
-    shared by all its micro-batches), its key seed (0-d int32) and, with Clip-Cov / KL-Cov over
-    several micro-batches, the tokens chosen on the whole mini-batch (``cov_selection``)."""
+    shared by all its micro-batches), its key seed (0-d int32), with Clip-Cov / KL-Cov over
+    several micro-batches the tokens chosen on the whole mini-batch (``cov_selection``) and,
+    when packed, the model inputs as packed rows (``packed``; ``tokens`` then holds the
+    per-sample loss fields only)."""
 
     tokens: StepBatch
     normalizer: Any
     key_seed: Any
     cov_selection: Any = None
+    packed: PackedRows | None = None
 
     def replace(self, **changes) -> "UpdateBatch":
         return dataclasses.replace(self, **changes)
+
+    def token_logprobs(self, model, chunk_size: int):
+        """The learner's ``(logp, entropy, DecoderOutput)`` of the mini-batch's targets, per sample
+        [N, T] float32 whether or not the forward ran on packed rows."""
+        if self.packed is None:
+            return model.token_logprobs(*self.tokens.model_inputs(), chunk_size=chunk_size)
+        logp, entropy, out = model.token_logprobs(*self.packed.model_inputs(), chunk_size=chunk_size)
+        return self.packed.unpack(logp), self.packed.unpack(entropy), out

@@ -26,8 +26,9 @@ from jaxrl.trainer.checkpoint import CheckpointConfig
 class PolicyConfig:
     """Where the initial weights come from: ``hf_path`` (a transformers Qwen3 / Qwen3-MoE /
     MiniMax / Qwen3-Next folder, e.g. the SFT warm-up's ``checkpoint.export_hf``), else a random
-    init of ``architecture`` with ``init_seed``. ``dtype``/``param_dtype``/``remat`` override the
-    architecture's (``remat``: "none" or one of the model's remat policies)."""
+    init of ``architecture`` with ``init_seed``. ``dtype``/``param_dtype``/``remat``/
+    ``attention_impl``/``attention_block_size`` override the architecture's (``remat``: "none" or
+    one of the model's remat policies; ``attention_impl``: docs/models.md#attention-implementations)."""
 
     hf_path: str = ""
     architecture: ModelConfig | None = None
@@ -35,13 +36,17 @@ class PolicyConfig:
     dtype: Literal["float32", "bfloat16"] | None = None
     param_dtype: Literal["float32", "bfloat16"] | None = None
     remat: Literal["none", "full", "save_dots", "save_attention_out"] | None = None
+    attention_impl: Literal["auto", "xla", "chunked"] | None = None
+    attention_block_size: int | None = None
+
+    _OVERRIDES = ("dtype", "param_dtype", "remat", "attention_impl", "attention_block_size")
 
     def __post_init__(self):
         if not self.hf_path and self.architecture is None:
             raise ValueError("model: give hf_path (a transformers folder) or architecture (for a random init)")
 
     def overrides(self) -> dict[str, str]:
-        return {k: getattr(self, k) for k in ("dtype", "param_dtype", "remat") if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in self._OVERRIDES if getattr(self, k) is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,8 @@ class UpdateConfig:
     model's logprobs for the KL metrics even when the objective has no KL term.
     logprob_chunk_size: tokens per chunk of the learner's LM head (logprobs and entropy are
     computed chunk by chunk, never as a whole ``[B, T, V]`` logits array).
+    pack: the learner's forwards (the recompute and the update) run on rows that hold several
+    samples each (``jaxrl.models.packing``): the same losses, less compute on padding.
     max_consecutive_skips: an optimizer step whose loss, gradient or new parameters are not
     finite is skipped (parameters and optimizer state kept, ``update/nonfinite_skips`` counts
     it); this many skips in a row stop the run with an error. spike_factor: warn when an
@@ -65,6 +72,7 @@ class UpdateConfig:
     micro_batches: int = 1
     reference_metrics: bool = False
     logprob_chunk_size: int = 1024
+    pack: bool = False
     max_consecutive_skips: int = 3
     spike_factor: float = 10.0
 
@@ -144,11 +152,13 @@ class SFTStage:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    """Supervised fine-tuning on prompt/response pairs (loss on response tokens only)."""
+    """Supervised fine-tuning on prompt/response pairs (loss on response tokens only). pack:
+    several pairs per row of the stage's ``max_length`` (``jaxrl.models.packing``)."""
 
     batch_size: int = 8
     micro_batches: int = 1
     stages: tuple[SFTStage, ...] = ()
+    pack: bool = False
 
     def __post_init__(self):
         if self.batch_size < 1 or self.micro_batches < 1 or self.batch_size % self.micro_batches:

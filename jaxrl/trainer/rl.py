@@ -38,7 +38,7 @@ from jaxrl import distributed
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.models import make_mesh, save_hf_checkpoint
 from jaxrl.models.scoring import LogprobScorer
-from jaxrl.models.sharding import batch_shardings
+from jaxrl.models.sharding import batch_devices, batch_shardings
 from jaxrl.reward import build_router
 from jaxrl.rollout.base import LogprobKind, PushVerificationError, RolloutEngine, SamplingParams
 from jaxrl.rollout.config import make_engine
@@ -91,7 +91,8 @@ class RLTrainer:
         self.train_step, self.state = make_train_step(model, optimizer, loss_fn, self.mesh)
         sequences = config.rollout.prompts_per_step * config.rollout.group_size
         rows = sequences // (config.update.mini_batches * config.update.micro_batches)
-        self.scorer = LogprobScorer(self.train_step.graphdef, self.mesh, rows, config.update.logprob_chunk_size)
+        self.scorer = LogprobScorer(self.train_step.graphdef, self.mesh, rows, config.update.logprob_chunk_size,
+                                    pack=config.update.pack, devices=batch_devices(self.mesh))
         needs_reference = config.objective.kl_kind != "none" or config.update.reference_metrics
         # The frozen reference: a copy of the initial parameters, sharded like them, no optimizer state.
         self.reference = jax.tree.map(jnp.copy, self.state["params"]) if needs_reference else None
@@ -188,8 +189,12 @@ class RLTrainer:
         """S optimizer steps over mini-batches of the fixed batch (each micro-batch-accumulated),
         none when the filter said ``skip``; metrics ``update/*``."""
         u = self.config.update
-        collected = []
-        for mini in batch.mini_batches(u.mini_batches, self.config.objective.aggregation, step) if not skip else ():
+        collected, padding = [], []
+        minis = batch.mini_batches(u.mini_batches, self.config.objective.aggregation, step, pack=u.pack,
+                                   micro_batches=u.micro_batches, devices=batch_devices(self.mesh))
+        for mini in minis if not skip else ():
+            if mini.packed is not None:
+                padding.append(mini.packed.padding_fraction)
             # Placed on the mesh here: jit refuses numpy inputs for arrays spread over processes.
             mini = jax.device_put(mini, batch_shardings(mini, self.mesh))
             self.state, metrics = self.train_step(self.state, mini)
@@ -200,6 +205,9 @@ class RLTrainer:
         # before any update; everything else is averaged over the S mini-batches.
         averaged = {k: collected[0][k] if k.startswith("mismatch_") else np.mean([m[k] for m in collected])
                     for k in (collected[0] if collected else ())}
+        if padding:  # what packing saved: the padding of the rows the learner ran, unpacked and packed
+            averaged["padding_fraction"] = float(np.mean(padding))
+            averaged["padding_fraction_unpacked"] = 1.0 - batch.num_tokens / np.size(batch.segment_ids)
         return {**stages.update_names(averaged), **self.guard.metrics(),
                 "update/lr": float(self.schedule(max(step * u.mini_batches - 1, 0))),
                 "update/skipped_total": self.skipped_updates}

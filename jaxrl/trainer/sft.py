@@ -23,7 +23,7 @@ from flax import nnx
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.losses.policy import aggregate_loss
 from jaxrl.models import make_mesh, save_hf_checkpoint
-from jaxrl.models.sharding import batch_shardings
+from jaxrl.models.sharding import batch_devices, batch_shardings
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
 from jaxrl.trainer.model import build_model
 from jaxrl.trainer.config import TrainConfig
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def _sft_micro_loss(model, batch: UpdateBatch, micro_index):
-    logp, entropy, _ = model.token_logprobs(*batch.tokens.model_inputs())
+    logp, entropy, _ = batch.token_logprobs(model, chunk_size=1024)
     live = batch.tokens.mask
     loss = aggregate_loss(-logp, live, "token-mean", batch.normalizer)
     count = jnp.maximum(jnp.sum(live), 1.0)
@@ -117,9 +117,15 @@ class SFTTrainer:
         t0 = time.perf_counter()
         examples = next(self.iterator)
         length = self.config.sft.stages[stage_index].max_length - 1
-        packed = StepBatch.pack([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
-                                self.tokenizer.pad_token_id)
-        (batch,) = packed.mini_batches(1, "token-mean", step)
+        pairs = StepBatch.pack([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
+                               self.tokenizer.pad_token_id)
+        sft = self.config.sft
+        (batch,) = pairs.mini_batches(1, "token-mean", step, pack=sft.pack, micro_batches=sft.micro_batches,
+                                      devices=batch_devices(self.mesh))
+        padding = {}
+        if batch.packed is not None:  # what packing saved: the padding of the rows the learner runs
+            padding = {"padding_fraction": batch.packed.padding_fraction,
+                       "padding_fraction_unpacked": 1.0 - pairs.num_tokens / np.size(pairs.segment_ids)}
         # Placed on the mesh here: jit refuses numpy inputs for arrays spread over processes.
         batch = jax.device_put(batch, batch_shardings(batch, self.mesh))
         self.state, metrics = self.train_step(self.state, batch)
@@ -127,10 +133,10 @@ class SFTTrainer:
         self.guard.check(step, metrics)
         self.step = step
         elapsed = time.perf_counter() - t0
-        return {**update_names(metrics), **self.guard.metrics(), "update/lr": float(self.schedule(step - 1)),
-                "sft/stage": stage_index, "sft/max_length": length + 1, "data/bad_rows": self.data_report.bad_rows,
-                "data/too_long_for_every_stage": self.too_long, "time/step": elapsed,
-                "time/tokens_per_second": packed.num_tokens / elapsed}
+        return {**update_names({**metrics, **padding}), **self.guard.metrics(),
+                "update/lr": float(self.schedule(step - 1)), "sft/stage": stage_index, "sft/max_length": length + 1,
+                "data/bad_rows": self.data_report.bad_rows, "data/too_long_for_every_stage": self.too_long,
+                "time/step": elapsed, "time/tokens_per_second": pairs.num_tokens / elapsed}
 
     def model(self):
         return nnx.merge(self.train_step.graphdef, self.state["params"])

@@ -253,7 +253,7 @@ def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chu
     def micro_loss(model, batch: UpdateBatch, _micro_index):
         """The objective on one micro-batch (normalised by the mini-batch's global normalizer)."""
         tokens = batch.tokens
-        logp, entropy, out = model.token_logprobs(*tokens.model_inputs(), chunk_size=chunk_size)
+        logp, entropy, out = batch.token_logprobs(model, chunk_size)
         loss, metrics = rl_objective(
             objective, logp, tokens.old_logp, tokens.advantages, tokens.mask, rollout_logp=tokens.rollout_logp,
             ref_logp=tokens.ref_logp, entropy=entropy, normalizer=batch.normalizer, key=selection_key(batch),
@@ -275,11 +275,10 @@ def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chu
         graphdef, params = nnx.split(model)
         frozen = jax.lax.stop_gradient(params)  # the selection is a statistic: no gradient, no residuals
 
-        def micro_logp(inputs):
-            return nnx.merge(graphdef, frozen).token_logprobs(*inputs, chunk_size=chunk_size)[0]
+        def micro_logp(micro: UpdateBatch):
+            return micro.token_logprobs(nnx.merge(graphdef, frozen), chunk_size)[0]
 
-        inputs = split_micro_batches(batch.tokens.model_inputs(), micro_batches)
-        logp = join_micro_batches(jax.lax.map(micro_logp, inputs))
+        logp = join_micro_batches(jax.lax.map(micro_logp, split_micro_batches(batch, micro_batches)))
         selection, selection_metrics = entropy_control_selection(
             objective, logp, batch.tokens.advantages, batch.tokens.mask, key=selection_key(batch))
         loss, metrics = accumulated(model, batch.replace(cov_selection=selection))

@@ -95,3 +95,15 @@ def test_policy_remat_choices_are_the_models_remat_policies():
     remat = typing.get_type_hints(PolicyConfig)["remat"]
     choices = next(typing.get_args(arg) for arg in typing.get_args(remat) if typing.get_origin(arg) is Literal)
     assert choices == ("none", *REMAT_POLICY_NAMES)
+
+
+def test_policy_attention_impl_choices_are_the_models():
+    """``model.attention_impl`` accepts exactly the model's attention implementations."""
+    import typing
+
+    from jaxrl.models.config import ATTENTION_IMPL_NAMES
+    from jaxrl.trainer.config import PolicyConfig
+
+    impl = typing.get_type_hints(PolicyConfig)["attention_impl"]
+    choices = next(typing.get_args(arg) for arg in typing.get_args(impl) if typing.get_origin(arg) is Literal)
+    assert choices == ATTENTION_IMPL_NAMES

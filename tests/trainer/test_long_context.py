@@ -1,0 +1,91 @@
+"""The long-context options through the trainers: ``update.pack``, ``sft.pack`` and ``model.attention_impl``
+each give the same update as the reference layout or kernel.
+
+With packing the learner's forwards run on packed rows; the losses read per-sample rows, so
+sequence-level terms (GSPO's sequence ratio, ``seq-mean-token-mean``) cannot mix samples.
+Adam's first step with ``eps = 1`` is ``lr * g / (|g| + 1)`` ~ the gradient itself, so comparing
+parameter changes compares gradients.
+"""
+
+import numpy as np
+import pytest
+
+import test_loop
+from jaxrl.trainer.metrics import read_jsonl
+from test_loop import _run, make_config
+
+files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
+GRADIENT_STEP = {"lr": 1.0, "eps": 1.0, "clip_norm": 0.0}
+
+
+def _changes(initial, final):
+    return [b - a for a, b in zip(initial, final, strict=True)]
+
+
+def test_packed_rl_update_equals_one_sample_per_row(files, tmp_path):
+    """Rows of 33 columns (prompts up to 24 tokens, 10 new) hold two or more of the ~15-token samples."""
+    changes, rows = [], []
+    for pack in (False, True):
+        out = tmp_path / f"pack-{pack}"
+        config = make_config(files, out, steps=1, update={"pack": pack, "mini_batches": 2, "micro_batches": 2},
+                             rollout={"max_new_tokens": 10}, data={"max_prompt_tokens": 24},
+                             objective={"policy_loss": "gspo", "aggregation": "seq-mean-token-mean"},
+                             optimizer=GRADIENT_STEP)
+        changes.append(_changes(*_run(config)))
+        rows.append(read_jsonl(str(out / "metrics.jsonl"))[0])
+    scale = max(float(np.max(np.abs(c))) for c in changes[0])
+    assert scale > 1e-4  # a real update, far above the tolerance below
+    for a, b in zip(*changes, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
+    unpacked, packed = rows
+    assert packed["update/loss"] == pytest.approx(unpacked["update/loss"], abs=1e-5)
+    assert packed["mismatch/k3"] == pytest.approx(unpacked["mismatch/k3"], abs=1e-6)  # the packed recompute
+    assert "update/padding_fraction" not in unpacked
+    assert packed["update/padding_fraction"] < packed["update/padding_fraction_unpacked"]
+
+
+def test_packed_sft_step_equals_one_pair_per_row(files, tmp_path):
+    from jaxrl.trainer.sft import SFTTrainer
+
+    changes, rows = [], []
+    for pack in (False, True):
+        out = tmp_path / f"sft-{pack}"
+        config = make_config(files, out, data={"max_response_tokens": 8}, optimizer=GRADIENT_STEP,
+                             sft={"batch_size": 8, "micro_batches": 2, "pack": pack,
+                                  "stages": [{"steps": 1, "max_length": 32}]})
+        trainer = SFTTrainer(config)
+        try:
+            before = test_loop._params(trainer)
+            trainer.run()
+            changes.append(_changes(before, test_loop._params(trainer)))
+        finally:
+            trainer.close()
+        rows.append(read_jsonl(str(out / "metrics.jsonl"))[0])
+    scale = max(float(np.max(np.abs(c))) for c in changes[0])
+    for a, b in zip(*changes, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
+    assert rows[1]["update/nll"] == pytest.approx(rows[0]["update/nll"], rel=1e-5)
+    assert rows[1]["update/padding_fraction"] < rows[1]["update/padding_fraction_unpacked"]
+
+
+def test_attention_impl_reaches_the_learner_and_changes_no_update(files, tmp_path):
+    """``model.attention_impl=chunked`` (blocks of 4 columns, so rows of 15 run in 4 key blocks with
+    the causal skip) gives the update of the reference ``xla`` einsum."""
+    from jaxrl.trainer.rl import RLTrainer
+
+    changes = []
+    for impl in ("xla", "chunked"):
+        config = make_config(files, tmp_path / impl, steps=1, optimizer=GRADIENT_STEP,
+                             model={"attention_impl": impl, "attention_block_size": 4})
+        trainer = RLTrainer(config)
+        try:
+            assert trainer.model().config.attention_impl == impl
+            before = test_loop._params(trainer)
+            trainer.run()
+            changes.append(_changes(before, test_loop._params(trainer)))
+        finally:
+            trainer.close()
+    scale = max(float(np.max(np.abs(c))) for c in changes[0])
+    assert scale > 1e-4
+    for a, b in zip(*changes, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
