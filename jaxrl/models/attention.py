@@ -268,11 +268,16 @@ AUTO_IMPLS: dict[str, str] = {}
 AUTO_DEFAULT = "chunked"
 
 
-def resolve_attention_impl(name: str, backend: str | None = None) -> str:
-    """The implementation `name` runs on `backend` (default: jax's): "auto" -> AUTO_IMPLS / AUTO_DEFAULT."""
+def resolve_attention_impl(name: str, backend: str | None = None, *, length: int | None = None,
+                           block_size: int | None = None) -> str:
+    """The implementation `name` runs on `backend` (default: jax's): "auto" -> AUTO_IMPLS / AUTO_DEFAULT,
+    except that attention whose queries and keys fit in one block (`length <= block_size`) runs the
+    xla einsum: a single block saves no memory, and short sequences keep the reference numerics."""
     if name not in ATTENTION_IMPL_NAMES:
         raise ValueError(f"attention_impl = {name!r}; choose one of {list(ATTENTION_IMPL_NAMES)}")
     if name == "auto":
+        if length is not None and block_size is not None and length <= block_size:
+            return "xla"
         return AUTO_IMPLS.get(backend or jax.default_backend(), AUTO_DEFAULT)
     return name
 
@@ -280,6 +285,6 @@ def resolve_attention_impl(name: str, backend: str | None = None) -> str:
 def attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, impl: str = "auto", scale: float,
               dtype, block_size: int = 512) -> jax.Array:
     """Dispatch to `ATTENTION_IMPLS[resolve_attention_impl(impl)]`; shapes as `xla_attention`."""
-    fn = ATTENTION_IMPLS[resolve_attention_impl(impl)]
+    fn = ATTENTION_IMPLS[resolve_attention_impl(impl, length=max(q.shape[1], k.shape[1]), block_size=block_size)]
     return fn(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, scale=scale, dtype=dtype,
               block_size=block_size)

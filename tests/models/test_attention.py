@@ -270,3 +270,10 @@ def test_chunked_memory_grows_linearly():
     xla_growth = attention_temp_bytes(xla_attention, 4096) / attention_temp_bytes(xla_attention, 2048)
     assert growth <= 2.2, growth
     assert xla_growth > 3.5, xla_growth
+
+
+def test_auto_runs_attention_that_fits_one_block_with_the_reference_einsum():
+    """One block saves no memory; up to the block size ``auto`` keeps the reference numerics."""
+    assert resolve_attention_impl("auto", "cpu", length=512, block_size=512) == "xla"
+    assert resolve_attention_impl("auto", "cpu", length=513, block_size=512) == "chunked"
+    assert resolve_attention_impl("chunked", "cpu", length=8, block_size=512) == "chunked"
