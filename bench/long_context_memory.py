@@ -65,7 +65,8 @@ def main():
         for length in lengths:
             table[impl, 1, length] = temporaries(config, length, MeshConfig())
         if args.sequence > 1:
-            table[impl, args.sequence, lengths[-1]] = temporaries(config, lengths[-1], MeshConfig(sequence=args.sequence))
+            sharded = MeshConfig(sequence=args.sequence)
+            table[impl, args.sequence, lengths[-1]] = temporaries(config, lengths[-1], sharded)
     print(f"{'T':>7}" + "".join(f"{impl:>12}{'x/doubling':>12}" for impl in ("xla", "chunked")))
     for i, length in enumerate(lengths):
         cells = ""
