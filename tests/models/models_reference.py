@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from flax import nnx
 import transformers
 
 VOCAB = 128
@@ -66,3 +67,16 @@ def reference_logits(model, ids, mask, positions, **kwargs):
     with torch.no_grad():
         return model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                      position_ids=torch.tensor(positions), **kwargs)
+
+
+@nnx.jit
+def forward(model, ids, positions, segment_ids):
+    """Full-forward logits of a jaxrl Decoder."""
+    return model.head(model(ids, positions, segment_ids).hidden)
+
+
+@nnx.jit
+def decode(model, ids, positions, segment_ids, cache):
+    """One prefill or decode call of a jaxrl Decoder: (logits, new cache)."""
+    out = model(ids, positions, segment_ids, cache=cache)
+    return model.head(out.hidden), out.cache

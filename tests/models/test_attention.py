@@ -12,13 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxrl.models import ModelConfig, load_hf_checkpoint
 from jaxrl.models.attention import (ATTENTION_IMPLS, _block_size, _block_visibility, chunked_attention,
                                     resolve_attention_impl, xla_attention)
 from jaxrl.models.config import ATTENTION_IMPL_NAMES
-from models_reference import padded_batch, qwen3_config, random_model
+from models_reference import decode, forward, padded_batch, qwen3_config, random_model
 
 HEADS, GROUPS, DIM = 2, 3, 8  # K kv heads, G query heads per kv head (GQA), head size
 
@@ -210,17 +209,6 @@ def test_attention_fields_are_runtime_not_hf():
     assert ModelConfig.from_hf(exported, attention_impl="xla", attention_block_size=64) == config
 
 
-@nnx.jit
-def _logits(model, ids, positions, segment_ids):
-    return model.head(model(ids, positions, segment_ids).hidden)
-
-
-@nnx.jit
-def _decode(model, ids, positions, segment_ids, cache):
-    out = model(ids, positions, segment_ids, cache=cache)
-    return model.head(out.hidden), out.cache
-
-
 def test_decoder_chunked_equals_xla(tmp_path):
     """Full forward (left-padded and packed rows, T = 13) and prefill + decode, block size 4."""
     random_model(qwen3_config(tie=False), seed=6).save_pretrained(tmp_path)
@@ -229,7 +217,7 @@ def test_decoder_chunked_equals_xla(tmp_path):
     ids, mask, positions = padded_batch(seed=7, length=13, left=True)
     segments = mask.copy()
     segments[0, 6:], positions[0, 6:] = 2, np.arange(7)  # row 0 holds two packed sequences
-    logits = {impl: np.asarray(_logits(m, *(jnp.asarray(a) for a in (ids, positions, segments))))
+    logits = {impl: np.asarray(forward(m, *(jnp.asarray(a) for a in (ids, positions, segments))))
               for impl, m in models.items()}
     real = segments != 0
     assert np.abs(logits["chunked"] - logits["xla"])[real].max() < 1e-5
@@ -241,7 +229,7 @@ def test_decoder_chunked_equals_xla(tmp_path):
         cache, pieces = model.init_cache(3, 16), []
         for start, stop in ((0, 7), (7, 8), (8, 9), (9, 10)):  # prefill 7, then one token per step
             step = (jnp.asarray(a[:, start:stop]) for a in (ids, positions, mask))
-            out, cache = _decode(model, *step, cache)
+            out, cache = decode(model, *step, cache)
             pieces.append(np.asarray(out))
         decoded[impl] = np.concatenate(pieces, axis=1)
     assert np.abs(decoded["chunked"] - decoded["xla"])[mask == 1].max() < 1e-5

@@ -9,23 +9,12 @@ ulps of the row's largest logit).
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxrl.models import load_hf_checkpoint
-from models_reference import VOCAB, qwen3_config, qwen3_moe_config, random_model, reference_logits
+from models_reference import VOCAB, decode, forward, qwen3_config, qwen3_moe_config, random_model, reference_logits
 
 PROMPT, NEW = 6, 4
 
-
-@nnx.jit
-def forward(model, ids, positions, segment_ids):
-    return model.head(model(ids, positions, segment_ids).hidden)
-
-
-@nnx.jit
-def decode(model, ids, positions, segment_ids, cache):
-    out = model(ids, positions, segment_ids, cache=cache)
-    return model.head(out.hidden), out.cache
 
 
 def prefill_and_decode(model, ids, positions, segments, prefill_chunks):
