@@ -45,8 +45,8 @@ def _finish(process) -> tuple[int, str]:
     return process.returncode, stderr
 
 
-def _wait_until(process, condition, what):
-    """Polls ``condition()`` every 0.5 ms until true; fails if the run ends first."""
+def _wait_until(process, condition, what, poll_s=0.02):
+    """Polls ``condition()`` every ``poll_s`` seconds until true; fails if the run ends first."""
     deadline = time.monotonic() + TIMEOUT_S
     while not condition():
         if process.poll() is not None:
@@ -54,7 +54,7 @@ def _wait_until(process, condition, what):
         if time.monotonic() > deadline:
             process.kill()
             pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.0005)
+        time.sleep(poll_s)
 
 
 def _logged_step(folder, step):
@@ -127,7 +127,8 @@ def test_sigkill_during_an_asynchronous_save_then_resume_is_bit_exact(run_config
         names = os.listdir(ck) if ck.is_dir() else []
         return any(n.isdigit() for n in names) and any("tmp" in n for n in names)
 
-    _wait_until(process, saving_after_a_complete_save, "a save was in flight")
+    # a save is in flight for milliseconds: poll fast (a listdir is cheap, unlike re-reading the metrics)
+    _wait_until(process, saving_after_a_complete_save, "a save was in flight", poll_s=0.0005)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     left = os.listdir(ck)
