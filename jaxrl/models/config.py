@@ -21,6 +21,9 @@ MLP_KINDS = ("dense", "moe")
 # Softmax-attention implementation (`ModelConfig.attention_impl`): "auto" picks one per backend;
 # `jaxrl.models.attention.ATTENTION_IMPLS` maps every other name to its function.
 ATTENTION_IMPL_NAMES = ("auto", "xla", "chunked")
+# Context parallelism of the full forward (`ModelConfig.context_parallel`): "auto" = Ulysses when the current
+# mesh shards "length" (jaxrl.models.context_parallel), "none" = never, "ulysses" = always (error without).
+CONTEXT_PARALLEL_NAMES = ("auto", "none", "ulysses")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # transformers `architectures` / `model_type` of the families this package reads and writes.
@@ -84,7 +87,9 @@ class ModelConfig:
     `remat` is the activation-rematerialisation policy of each block: "none" or one of
     `REMAT_POLICY_NAMES`. `attention_impl` (one of `ATTENTION_IMPL_NAMES`) is how softmax attention
     runs and `attention_block_size` the query/key block of the chunked form
-    (docs/models.md#attention-implementations); like `dtype` and `remat` they are runtime choices, not HF fields.
+    (docs/models.md#attention-implementations); `context_parallel` (one of `CONTEXT_PARALLEL_NAMES`) whether
+    the full forward's token mixers split the sequence Ulysses style (docs/models.md#context-parallelism).
+    Like `dtype` and `remat` they are runtime choices, not HF fields.
     """
 
     vocab_size: int
@@ -111,6 +116,7 @@ class ModelConfig:
     remat: str = "none"
     attention_impl: str = "auto"
     attention_block_size: int = 512
+    context_parallel: str = "auto"
     # Hybrid linear-attention families (MiniMax-Text-01, Qwen3-Next); defaults give Qwen3.
     qk_norm: bool = True  # per-head q/k RMSNorm in softmax attention (MiniMax: False)
     attention_output_gate: bool = False  # Qwen3-Next: q_proj also yields a per-head sigmoid output gate
@@ -196,6 +202,9 @@ class ModelConfig:
                 or self.attention_block_size < 1):
             raise ValueError("ModelConfig.attention_block_size must be a positive integer, "
                              f"got {self.attention_block_size!r}")
+        if self.context_parallel not in CONTEXT_PARALLEL_NAMES:
+            raise ValueError(f"ModelConfig.context_parallel = {self.context_parallel!r}; "
+                             f"choose one of {list(CONTEXT_PARALLEL_NAMES)}")
         if self.remat != "none" and self.remat not in REMAT_POLICY_NAMES:
             raise ValueError(f"ModelConfig.remat = {self.remat!r}; choose 'none' or one of {list(REMAT_POLICY_NAMES)}")
 
@@ -219,7 +228,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
         """Read a transformers Qwen3 / Qwen3-MoE / MiniMax / Qwen3-Next `config.json` dict; `overrides` set our own
-        fields (dtype, param_dtype, remat, attention_impl, attention_block_size). Another
+        fields (dtype, param_dtype, remat, attention_impl, attention_block_size, context_parallel). Another
         architecture raises a ValueError naming it."""
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or []

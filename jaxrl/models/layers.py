@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxrl.models import context_parallel
 from jaxrl.models.attention import attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.sharding import constrain, logical_to_spec
@@ -87,7 +88,9 @@ class Attention(nnx.Module):
     full forward (slots = positions in the sequence) and decoding into a KV cache (slots =
     cache rows). Padding has segment id 0 and never attends to or is attended by real tokens.
     The softmax itself runs in `jaxrl.models.attention`, the implementation chosen by
-    `config.attention_impl` (docs/models.md#attention-implementations).
+    `config.attention_impl` (docs/models.md#attention-implementations). In the full forward under a mesh
+    that shards the sequence it runs context parallel (`config.context_parallel`,
+    docs/models.md#context-parallelism); decoding with a cache always runs it directly.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_index: int = 0):
@@ -138,8 +141,11 @@ class Attention(nnx.Module):
             kv_slot = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), kv_segment_ids.shape)
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
-        out = attention(q, k, v, q_slot, kv_slot, segment_ids, kv_segment_ids, impl=c.attention_impl,
-                        scale=c.head_dim ** -0.5, dtype=dtype, block_size=c.attention_block_size)
+        cp_plan = None if cache is not None else context_parallel.plan(c.context_parallel, batch, length)
+        run = (attention if cp_plan is None
+               else functools.partial(context_parallel.ulysses_attention, plan=cp_plan))
+        out = run(q, k, v, q_slot, kv_slot, segment_ids, kv_segment_ids, impl=c.attention_impl,
+                  scale=c.head_dim ** -0.5, dtype=dtype, block_size=c.attention_block_size)
         out = out.reshape(batch, length, c.num_heads, c.head_dim)
         if c.attention_output_gate:
             out = out * jax.nn.sigmoid(gate)

@@ -27,6 +27,12 @@ padding inside a sequence from a segment start.
   `beta = sigmoid(b)`, `g = -exp(A_log) softplus(a + dt_bias)`, L2-normalised q and k (q scaled by
   Dk^-1/2), gated delta rule, per-head RMSNorm gated by silu(z), projection.
 
+Context parallelism (docs/models.md#context-parallelism): in the full forward under a mesh that shards
+the sequence (`config.context_parallel`), the per-head part of each layer (lightning: the kernel;
+GatedDeltaNet: short convolution, gates, normalisation and the delta rule) runs on whole sequences for
+a share of the heads (`context_parallel.ulysses`), its segment resets computed from the gathered
+segment ids; the projections, norms and gates outside run on the sequence shards.
+
 Projection weights are `[in, out]` (torch's `nn.Linear.weight` transposed, same output layout),
 so checkpoints convert by a transpose (`jaxrl.models.hf.LINEAR_LAYER_TENSORS`). Logical axes: 'embed'
 (model width), 'heads' (flattened head-major outputs: whole heads per shard when the tensor axis
@@ -43,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl.models import context_parallel
 from jaxrl.models import linear_attention as kernels
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import INIT_STD, matmul
@@ -103,7 +110,7 @@ class LightningAttention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_index: int):
         c, pd = config, config.weight_dtype
         self.num_heads, self.head_dim, self.chunk_size = c.num_heads, c.head_dim, c.linear_chunk_size
-        self.dtype = c.compute_dtype
+        self.dtype, self.context_parallel = c.compute_dtype, c.context_parallel
         self.log_decay = lightning_log_decay(c.num_heads, layer_index, c.num_layers)
         width = c.num_heads * c.head_dim
         self.qkv_proj = _param(rngs, (c.hidden_size, 3 * width), ("embed", "heads"), pd)
@@ -117,21 +124,38 @@ class LightningAttention(nnx.Module):
     def __call__(self, x, *, positions=None, segment_ids=None, cache=None, kv_segment_ids=None, write_index=None):
         """x `[B, T, hidden]` -> (y `[B, T, hidden]` float32, state or None)."""
         batch, length, _ = x.shape
+        cp_plan = None if cache is not None else context_parallel.plan(self.context_parallel, batch, length)
         x = _mask_padding(x, segment_ids)
-        _, reset = _segments(segment_ids, cache)
         qkv = jax.nn.silu(matmul(x, self.qkv_proj[...], "btd,de->bte", self.dtype))
         q, k, v = jnp.split(qkv.reshape(batch, length, self.num_heads, 3 * self.head_dim), 3, axis=-1)
         log_decay = jnp.asarray(self.log_decay, jnp.float32)
         if cache is not None and length == 1:
             mixed, state = kernels.lightning_attention_step(q[:, 0], k[:, 0], v[:, 0], log_decay, cache)
             mixed = mixed[:, None]
+        elif cp_plan is not None:
+            mixed, state = self._context_parallel(q, k, v, log_decay, segment_ids, cp_plan), None
         else:
             mixed, state = kernels.lightning_attention(q, k, v, log_decay, chunk_size=self.chunk_size,
-                                                       initial_state=cache, reset=reset)
+                                                       initial_state=cache, reset=_segments(segment_ids, cache)[1])
         normed = self.norm[...].astype(jnp.float32) * _rms_normalize(mixed.reshape(batch, length, -1),
                                                                      LIGHTNING_NORM_EPS)
         gated = jax.nn.sigmoid(matmul(x, self.output_gate[...], "btd,de->bte", self.dtype)) * normed
         return matmul(gated, self.out_proj[...], "bte,ed->btd", self.dtype), (None if cache is None else state)
+
+    def _context_parallel(self, q, k, v, log_decay, segment_ids, plan) -> jax.Array:
+        """The chunked kernel from a zero state on whole sequences, heads split over the devices
+        (`context_parallel.ulysses`). -> `[B, T, H, D]`."""
+
+        def local(tokens, rows, head_values):
+            reset = carried_segments(rows[0])[1]
+            return (kernels.lightning_attention(*tokens, head_values[0], chunk_size=self.chunk_size, reset=reset)[0],)
+
+        return context_parallel.ulysses(local, (q, k, v), (_segment_ids_or_ones(segment_ids, q),), (log_decay,),
+                                        plan=plan)[0]
+
+
+def _segment_ids_or_ones(segment_ids, like):
+    return jnp.ones(like.shape[:2], jnp.int32) if segment_ids is None else segment_ids
 
 
 def _short_conv(history: jax.Array, kernel: jax.Array, carried: jax.Array | None) -> jax.Array:
@@ -145,6 +169,38 @@ def _short_conv(history: jax.Array, kernel: jax.Array, carried: jax.Array | None
         source = jnp.pad(carried, [(0, 0), (width - 1, 0)], constant_values=-1)
         taps = [jnp.where((source[:, j : j + length] == carried)[..., None], tap, 0.0) for j, tap in enumerate(taps)]
     return jax.nn.silu(sum(kernel[j] * tap for j, tap in enumerate(taps)))
+
+
+def _gated_delta(q, k, v, b, a, conv, a_log, dt_bias, conv_state, recurrent, carried, reset, *, chunk_size: int,
+                 step: bool):
+    """Short convolution, gates, normalisation and gated delta rule of `h` key heads, each serving `group`
+    value heads: q, k `[B, T, h, dk]`, v `[B, T, h, group * dv]`, b, a `[B, T, h, group]`; conv `[Kc, C]`
+    over the channels (q, k, v) each flattened head-major, `C = h (2 dk + group dv)`; a_log, dt_bias
+    `[h * group]`; conv_state `[B, Kc - 1, C]`, recurrent `[B, h * group, dk, dv]` the state before; carried,
+    reset `[B, T]` or None. The recurrent step when `step` (decoding one token), else the chunked
+    form. Returns (core `[B, T, h * group, dv]` float32, recurrent, conv_state)."""
+    batch, length, heads, dk = q.shape
+    group = b.shape[-1]
+    mixed = jnp.concatenate([t.reshape(batch, length, -1) for t in (q, k, v)], axis=-1)
+    # Depthwise causal convolution over [previous inputs, new inputs]; the tail is the next state.
+    history = jnp.concatenate([conv_state, mixed], axis=1)
+    mixed = _short_conv(history, conv.astype(jnp.float32), carried)
+    conv_state = history[:, history.shape[1] - (conv.shape[0] - 1) :]
+
+    q, k, v = jnp.split(mixed, [heads * dk, 2 * heads * dk], axis=-1)
+    q, k = (jnp.repeat(t.reshape(batch, length, heads, dk), group, axis=2) for t in (q, k))
+    v = v.reshape(batch, length, heads * group, -1)
+    beta = jax.nn.sigmoid(b.reshape(batch, length, heads * group))
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+        a.reshape(batch, length, heads * group) + dt_bias.astype(jnp.float32))
+    q = _l2_normalize(q) * dk**-0.5
+    k = _l2_normalize(k)
+    if step:
+        core, recurrent = kernels.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent)
+        return core[:, None], recurrent, conv_state
+    core, recurrent = kernels.gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, initial_state=recurrent,
+                                               reset=reset)
+    return core, recurrent, conv_state
 
 
 class DeltaNetState(NamedTuple):
@@ -164,7 +220,7 @@ class GatedDeltaNet(nnx.Module):
         self.key_head_dim, self.value_head_dim = c.linear_key_head_dim, c.linear_value_head_dim
         self.conv_kernel_size, self.chunk_size = c.linear_conv_kernel_dim, c.linear_chunk_size
         self.norm_eps = c.rms_norm_eps
-        self.dtype = c.compute_dtype
+        self.dtype, self.context_parallel = c.compute_dtype, c.context_parallel
         self.group = self.num_value_heads // self.num_key_heads
         key_width = self.num_key_heads * self.key_head_dim
         value_width = self.num_value_heads * self.value_head_dim
@@ -194,35 +250,57 @@ class GatedDeltaNet(nnx.Module):
         hk, hv, group = self.num_key_heads, self.num_value_heads, self.group
         dk, dv = self.key_head_dim, self.value_head_dim
         x = _mask_padding(x, segment_ids)
-        carried, reset = _segments(segment_ids, cache)
         qkvz = matmul(x, self.in_proj_qkvz[...], "btd,de->bte", self.dtype)
         q, k, v, z = jnp.split(qkvz.reshape(batch, length, hk, 2 * dk + 2 * group * dv),
                                [dk, 2 * dk, 2 * dk + group * dv], axis=-1)
         ba = matmul(x, self.in_proj_ba[...], "btd,de->bte", self.dtype)
         b, a = jnp.split(ba.reshape(batch, length, hk, 2 * group), 2, axis=-1)
-        mixed = jnp.concatenate([t.reshape(batch, length, -1) for t in (q, k, v)], axis=-1)
-
-        # Depthwise causal convolution over [previous inputs, new inputs]; the tail is the next state.
-        history = jnp.concatenate([state.conv, mixed], axis=1)
-        mixed = _short_conv(history, self.conv1d[...].astype(jnp.float32), carried)
-        conv_state = history[:, history.shape[1] - (self.conv_kernel_size - 1) :]
-
-        q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
-        q, k = (jnp.repeat(t.reshape(batch, length, hk, dk), group, axis=2) for t in (q, k))
-        v = v.reshape(batch, length, hv, dv)
-        beta = jax.nn.sigmoid(b.reshape(batch, length, hv))
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a.reshape(batch, length, hv) + self.dt_bias[...].astype(jnp.float32))
-        q = _l2_normalize(q) * dk**-0.5
-        k = _l2_normalize(k)
-        if cache is not None and length == 1:
-            core, recurrent = kernels.gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                                            state.recurrent)
-            core = core[:, None]
+        cp_plan = None if cache is not None else context_parallel.plan(self.context_parallel, batch, length)
+        if cp_plan is not None:
+            core, new_state = self._context_parallel(q, k, v, b, a, segment_ids, cp_plan), None
         else:
-            core, recurrent = kernels.gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
-                                                       initial_state=state.recurrent, reset=reset)
+            carried, reset = _segments(segment_ids, cache)
+            core, recurrent, conv_state = _gated_delta(
+                q, k, v, b, a, self.conv1d[...], self.A_log[...], self.dt_bias[...], state.conv, state.recurrent,
+                carried, reset, chunk_size=self.chunk_size, step=cache is not None and length == 1)
+            new_state = None if cache is None else DeltaNetState(conv_state, recurrent)
         gate = jax.nn.silu(z.reshape(batch, length, hv, dv))
         normed = self.norm[...].astype(jnp.float32) * _rms_normalize(core, self.norm_eps) * gate
         y = matmul(normed.reshape(batch, length, -1), self.out_proj[...], "bte,ed->btd", self.dtype)
-        return y, (None if cache is None else DeltaNetState(conv_state, recurrent))
+        return y, new_state
+
+    def _context_parallel(self, q, k, v, b, a, segment_ids, plan) -> jax.Array:
+        """`_gated_delta` from zero states on whole sequences, heads split over the devices. The split unit
+        is a key head with its value heads; when the devices outnumber them, each key head is repeated
+        `repeat` times (`context_parallel.kv_repeat`), copy i serving value heads i*group/repeat .. of its
+        group (the q/k convolution is then computed on `repeat` devices); `ulysses` pads what still does
+        not divide. -> core `[B, T, value heads, dv]` float32."""
+        batch, length, hk, dk = q.shape
+        group, dv, width = self.group, self.value_head_dim, self.conv_kernel_size
+        repeat = context_parallel.kv_repeat(hk, group, plan.head_shards)
+        heads, sub = hk * repeat, group // repeat
+        # conv taps per key head [hk, Kc, channels of the head], then regrouped like the activations
+        conv_q, conv_k, conv_v = (jnp.moveaxis(w.reshape(width, hk, -1), 1, 0) for w in
+                                  jnp.split(self.conv1d[...], [hk * dk, 2 * hk * dk], axis=1))
+        conv_v = jnp.moveaxis(conv_v.reshape(hk, width, repeat, -1), 2, 1).reshape(heads, width, -1)
+        tokens = [jnp.repeat(q, repeat, axis=2), jnp.repeat(k, repeat, axis=2)] + [
+            t.reshape(batch, length, heads, -1) for t in (v, b, a)]
+        per_head = [jnp.repeat(conv_q, repeat, axis=0), jnp.repeat(conv_k, repeat, axis=0), conv_v] + [
+            p[...].reshape(heads, sub) for p in (self.A_log, self.dt_bias)]
+
+        def local(tokens, rows, head_values):
+            q, k, v, b, a = tokens
+            conv_q, conv_k, conv_v, a_log, dt_bias = head_values
+            rows_here, local_heads = q.shape[0], q.shape[2]
+            conv = jnp.concatenate([jnp.moveaxis(w, 0, 1).reshape(width, -1) for w in (conv_q, conv_k, conv_v)], 1)
+            carried, reset = carried_segments(rows[0])
+            core, _, _ = _gated_delta(
+                q, k, v, b, a, conv, a_log.reshape(-1), dt_bias.reshape(-1),
+                jnp.zeros((rows_here, width - 1, conv.shape[1]), jnp.float32),
+                jnp.zeros((rows_here, local_heads * sub, dk, dv), kernels.STATE_DTYPE),
+                carried, reset, chunk_size=self.chunk_size, step=False)
+            return (core.reshape(rows_here, length, local_heads, sub, dv),)
+
+        (core,) = context_parallel.ulysses(local, tokens, (_segment_ids_or_ones(segment_ids, q),), per_head,
+                                           plan=plan)
+        return core.reshape(batch, length, hk * group, dv)
