@@ -30,7 +30,8 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...]] = {
     "act_mlp": ("tensor",),
     # parameters
     "vocab": ("tensor",),
-    "embed": ("fsdp",),
+    # parameters, their gradients and optimizer state also shard over the context-parallel devices (as in MaxText)
+    "embed": ("fsdp", "sequence"),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
@@ -186,6 +187,14 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh):
 def batch_devices(mesh: jax.sharding.Mesh) -> int:
     """How many ways the "batch" logical axis splits rows on ``mesh`` (data-parallel width)."""
     return math.prod(mesh.shape[axis] for axis in LOGICAL_AXIS_RULES["batch"] if axis in mesh.shape)
+
+
+def sequence_row_length(length: int, mesh: jax.sharding.Mesh) -> int:
+    """``length`` rounded up to a multiple of the ways the "length" logical axis splits a row on ``mesh``,
+    so that context parallelism (docs/models.md#context-parallelism) can split the trainers' rows evenly
+    (the extra columns are padding, segment id 0)."""
+    shards = math.prod(mesh.shape[axis] for axis in LOGICAL_AXIS_RULES["length"] if axis in mesh.shape)
+    return -(-length // shards) * shards
 
 
 def batch_shardings(batch: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -17,6 +17,8 @@ CONFIG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_l
                      moe_intermediate_size=16, tie_word_embeddings=False)
 BATCH, LENGTH = 8, 8
 
+FSDP = ("fsdp", "sequence")  # the "embed" rule: parameters shard over fsdp and context-parallel devices
+
 
 def make_batch():
     rng = np.random.default_rng(0)
@@ -94,7 +96,7 @@ def test_train_step_on_dp_fsdp_tp_mesh_equals_single_device_sgd(reference):
     assert_grads_close([np.asarray(p) - np.asarray(q) for p, q in zip(params, new_params, strict=True)],
                        jax.tree.leaves(grads))
     got = new_state["params"]["layers"][0]["mlp"]["gate_proj"][...]
-    assert got.sharding.spec == P("expert", "fsdp", "tensor")  # size-1 axes stay in the spec
+    assert got.sharding.spec == P("expert", FSDP, "tensor")  # size-1 axes stay in the spec
     sharded, _ = shard_model(nnx.clone(model), mesh)
     with jax.set_mesh(mesh):
         got_logits = nnx.jit(lambda m, b: m.logits(b["input_ids"], b["positions"], b["segment_ids"]))(sharded, batch)
@@ -106,16 +108,16 @@ def test_parameters_are_sharded_as_the_rules_say(reference):
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
     sharded, _ = shard_model(nnx.clone(model), mesh)
     expected = {  # path: (spec, per-device shard shape)
-        ("embed",): (P("tensor", "fsdp"), (64, 16)),
-        ("lm_head",): (P("fsdp", "tensor"), (16, 64)),
-        ("layers", 0, "attn", "q_proj"): (P("fsdp", "tensor", None), (16, 2, 8)),
-        ("layers", 0, "attn", "k_proj"): (P("fsdp", "tensor", None), (16, 1, 8)),
-        ("layers", 0, "attn", "o_proj"): (P("tensor", None, "fsdp"), (2, 8, 16)),
+        ("embed",): (P("tensor", FSDP), (64, 16)),
+        ("lm_head",): (P(FSDP, "tensor"), (16, 64)),
+        ("layers", 0, "attn", "q_proj"): (P(FSDP, "tensor", None), (16, 2, 8)),
+        ("layers", 0, "attn", "k_proj"): (P(FSDP, "tensor", None), (16, 1, 8)),
+        ("layers", 0, "attn", "o_proj"): (P("tensor", None, FSDP), (2, 8, 16)),
         ("layers", 0, "attn", "q_norm", "weight"): (P(None), (8,)),
-        ("layers", 0, "mlp", "router"): (P("fsdp", None), (16, 8)),
-        ("layers", 0, "mlp", "gate_proj"): (P("expert", "fsdp", "tensor"), (4, 16, 8)),
-        ("layers", 0, "mlp", "down_proj"): (P("expert", "tensor", "fsdp"), (4, 8, 16)),
-        ("layers", 1, "mlp", "up_proj"): (P("fsdp", "tensor"), (16, 32)),
+        ("layers", 0, "mlp", "router"): (P(FSDP, None), (16, 8)),
+        ("layers", 0, "mlp", "gate_proj"): (P("expert", FSDP, "tensor"), (4, 16, 8)),
+        ("layers", 0, "mlp", "down_proj"): (P("expert", "tensor", FSDP), (4, 8, 16)),
+        ("layers", 1, "mlp", "up_proj"): (P(FSDP, "tensor"), (16, 32)),
         ("final_norm", "weight"): (P(None), (32,)),
     }
     flat = dict(nnx.to_flat_state(nnx.state(sharded)))
@@ -131,7 +133,7 @@ def test_adam_moments_inherit_parameter_shardings(reference):
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, expert=2))
     _, state = make_train_step(nnx.clone(model), optax.adam(1e-3), loss_fn, mesh)
     mu = state["opt_state"][0].mu["layers"][0]["mlp"]["gate_proj"][...]
-    assert mu.sharding.spec == P("expert", "fsdp", "tensor")
+    assert mu.sharding.spec == P("expert", FSDP, "tensor")
 
 
 def test_bad_meshes_name_the_numbers(reference):
