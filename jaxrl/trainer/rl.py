@@ -38,7 +38,7 @@ from jaxrl import distributed
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.models import make_mesh, save_hf_checkpoint
 from jaxrl.models.scoring import LogprobScorer
-from jaxrl.models.sharding import batch_devices, batch_shardings
+from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.reward import build_router
 from jaxrl.rollout.base import LogprobKind, PushVerificationError, RolloutEngine, SamplingParams
 from jaxrl.rollout.config import make_engine
@@ -83,7 +83,7 @@ class RLTrainer:
         )
         self.mesh = make_mesh(config.mesh)
         model = build_model(config.model, self.mesh)
-        self.length = data.max_prompt_tokens + config.rollout.max_new_tokens - 1
+        self.length = sequence_row_length(data.max_prompt_tokens + config.rollout.max_new_tokens - 1, self.mesh)
         self.total_updates = config.steps * config.update.mini_batches
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_updates)
         loss_fn = rl_loss_fn(config.objective, seed=config.seed, micro_batches=config.update.micro_batches,

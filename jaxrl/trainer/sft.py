@@ -23,7 +23,7 @@ from flax import nnx
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.losses.policy import aggregate_loss
 from jaxrl.models import make_mesh, save_hf_checkpoint
-from jaxrl.models.sharding import batch_devices, batch_shardings
+from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
 from jaxrl.trainer.model import build_model
 from jaxrl.trainer.config import TrainConfig
@@ -116,7 +116,7 @@ class SFTTrainer:
             self._enter_stage(stage_index)
         t0 = time.perf_counter()
         examples = next(self.iterator)
-        length = self.config.sft.stages[stage_index].max_length - 1
+        length = sequence_row_length(self.config.sft.stages[stage_index].max_length - 1, self.mesh)
         pairs = StepBatch.pack([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
                                self.tokenizer.pad_token_id)
         sft = self.config.sft
@@ -134,7 +134,8 @@ class SFTTrainer:
         self.step = step
         elapsed = time.perf_counter() - t0
         return {**update_names({**metrics, **padding}), **self.guard.metrics(),
-                "update/lr": float(self.schedule(step - 1)), "sft/stage": stage_index, "sft/max_length": length + 1,
+                "update/lr": float(self.schedule(step - 1)), "sft/stage": stage_index,
+                "sft/max_length": self.config.sft.stages[stage_index].max_length, "sft/tokens": pairs.num_tokens,
                 "data/bad_rows": self.data_report.bad_rows, "data/too_long_for_every_stage": self.too_long,
                 "time/step": elapsed, "time/tokens_per_second": pairs.num_tokens / elapsed}
 

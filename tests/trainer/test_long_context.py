@@ -89,3 +89,77 @@ def test_attention_impl_reaches_the_learner_and_changes_no_update(files, tmp_pat
     assert scale > 1e-4
     for a, b in zip(*changes, strict=True):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
+
+
+# A hybrid: lightning, gated DeltaNet and softmax layers (Qwen3-Next-style softmax gate, partial RoPE).
+HYBRID = {**test_loop.ARCHITECTURE, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
+          "layer_types": ["lightning_attention", "gated_deltanet", "full_attention"],
+          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+          "linear_value_head_dim": 8, "linear_chunk_size": 4, "attention_output_gate": True,
+          "partial_rotary_factor": 0.5, "norm_weight_offset": True}
+
+
+def test_context_parallel_reaches_the_learner_and_changes_no_update(files, tmp_path, monkeypatch):
+    """``mesh: {data: 2, sequence: 4}`` with ``model.context_parallel=ulysses`` against ``none`` (the
+    partitioner's path) on the same mesh, so that both runs sample the same rollouts: the recompute
+    and the update of a hybrid model are the same, and only the Ulysses run splits the sequence
+    (its all_to_all path is traced; the rows, 11 tokens, are padded to 12 so that 4 shards divide them).
+    tests/models/test_context_parallel.py proves the forward and gradients equal one device's."""
+    from jaxrl.models import context_parallel
+    from jaxrl.trainer.rl import RLTrainer
+
+    traced = []
+    original = context_parallel.ulysses
+    monkeypatch.setattr(context_parallel, "ulysses", lambda *a, **k: traced.append(1) or original(*a, **k))
+    changes, rows = [], []
+    for mode in ("none", "ulysses"):
+        traced.clear()
+        out = tmp_path / mode
+        config = make_config(files, out, steps=1, optimizer=GRADIENT_STEP, mesh={"data": 2, "sequence": 4},
+                             model={"architecture": HYBRID, "context_parallel": mode})
+        trainer = RLTrainer(config)
+        try:
+            assert trainer.length == 12
+            before = test_loop._params(trainer)
+            trainer.run()
+            changes.append(_changes(before, test_loop._params(trainer)))
+        finally:
+            trainer.close()
+        rows.append(read_jsonl(str(out / "metrics.jsonl"))[0])
+        assert bool(traced) == (mode == "ulysses")
+    scale = max(float(np.max(np.abs(c))) for c in changes[0])
+    assert scale > 1e-4
+    for a, b in zip(*changes, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
+    assert rows[1]["mismatch/k3"] == pytest.approx(rows[0]["mismatch/k3"], abs=1e-6)
+    assert rows[1]["update/loss"] == pytest.approx(rows[0]["update/loss"], abs=1e-5)
+
+
+def test_sft_curriculum_reaches_a_32k_stage_context_parallel(files, tmp_path):
+    """The SFT curriculum's last stage trains on pairs of ~32K tokens (rows of 32,768 columns) on 8
+    devices with ``mesh.sequence=8``: Ulysses splits each row into 4,096-token shards and chunked
+    attention never holds the 32K x 32K scores. The short first stage runs on the same mesh."""
+    import json
+
+    from jaxrl.trainer.sft import SFTTrainer
+
+    data = tmp_path / "long.jsonl"  # unshuffled: the long stage's batch is the long pair
+    with open(files["train"]) as source, open(data, "w") as f:
+        f.write(json.dumps({"prompt": "1+2=", "response": "\\boxed{" + "3" * 32_700 + "}", "answer": "3"}) + "\n")
+        f.writelines(source.readlines()[:8])
+    architecture = {**test_loop.ARCHITECTURE, "max_position_embeddings": 32_768}
+    config = make_config(files, tmp_path / "sft", mesh={"sequence": 8},
+                         model={"architecture": architecture, "attention_impl": "chunked",
+                                "attention_block_size": 2048, "context_parallel": "ulysses"},
+                         data={"train_files": [str(data)], "max_response_tokens": 32_768, "shuffle": False},
+                         sft={"batch_size": 1, "stages": [{"steps": 1, "max_length": 16},
+                                                          {"steps": 1, "max_length": 32_768}]})
+    trainer = SFTTrainer(config)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    rows = read_jsonl(str(tmp_path / "sft" / "metrics.jsonl"))
+    assert [r["sft/max_length"] for r in rows] == [16, 32_768]
+    assert all(np.isfinite(r["update/loss"]) for r in rows)
+    assert rows[1]["sft/tokens"] > 32_700  # the long pair
