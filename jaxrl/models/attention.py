@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.config import ATTENTION_IMPL_NAMES
+from jaxrl.models.splash import splash_attention
 
 F32 = jnp.float32
 _INT_MIN, _INT_MAX = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
@@ -256,15 +257,18 @@ def _chunked_impl(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, sc
 
 
 # `ModelConfig.attention_impl` name (config.ATTENTION_IMPL_NAMES except "auto") -> implementation, called as
-# `fn(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, scale, dtype, block_size)`. Fused
-# kernels (cuDNN through jax.nn.dot_product_attention, the Pallas splash kernel on TPU) join here, and
-# `AUTO_IMPLS` then picks them per backend.
+# `fn(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, scale, dtype, block_size)`.
 ATTENTION_IMPLS: dict[str, AttentionFn] = {
     "xla": _xla_impl,
     "chunked": _chunked_impl,
+    "splash": splash_attention,
 }
+# Kernels that serve the full forward only (queries = keys = the row's tokens in order); attention over a
+# KV cache (fewer queries than keys: decoding, a prefill into a longer cache) runs DECODE_IMPL instead.
+FULL_FORWARD_ONLY = frozenset({"splash"})
+DECODE_IMPL = "chunked"
 # What "auto" means per `jax.default_backend()`; a backend not listed gets AUTO_DEFAULT.
-AUTO_IMPLS: dict[str, str] = {}
+AUTO_IMPLS: dict[str, str] = {"tpu": "splash"}
 AUTO_DEFAULT = "chunked"
 
 
@@ -284,7 +288,11 @@ def resolve_attention_impl(name: str, backend: str | None = None, *, length: int
 
 def attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, impl: str = "auto", scale: float,
               dtype, block_size: int = 512) -> jax.Array:
-    """Dispatch to `ATTENTION_IMPLS[resolve_attention_impl(impl)]`; shapes as `xla_attention`."""
-    fn = ATTENTION_IMPLS[resolve_attention_impl(impl, length=max(q.shape[1], k.shape[1]), block_size=block_size)]
+    """Dispatch to `ATTENTION_IMPLS[resolve_attention_impl(impl)]` (`DECODE_IMPL` for a full-forward-only
+    kernel over a KV cache); shapes as `xla_attention`."""
+    name = resolve_attention_impl(impl, length=max(q.shape[1], k.shape[1]), block_size=block_size)
+    if name in FULL_FORWARD_ONLY and q.shape[1] != k.shape[1]:
+        name = DECODE_IMPL
+    fn = ATTENTION_IMPLS[name]
     return fn(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, scale=scale, dtype=dtype,
               block_size=block_size)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from jaxrl.models import ModelConfig, load_hf_checkpoint
-from jaxrl.models.attention import (ATTENTION_IMPLS, _block_size, _block_visibility, chunked_attention,
-                                    resolve_attention_impl, xla_attention)
+from jaxrl.models.attention import (ATTENTION_IMPLS, FULL_FORWARD_ONLY, _block_size, _block_visibility, attention,
+                                    chunked_attention, resolve_attention_impl, xla_attention)
+from jaxrl.models.splash import splash_attention
 from jaxrl.models.config import ATTENTION_IMPL_NAMES
 from models_reference import decode, forward, padded_batch, qwen3_config, random_model
 
@@ -95,11 +96,15 @@ def test_chunked_equals_xla_values_and_gradients(case, block_q, block_k):
         _close(got, want)
 
 
+# Kernels of other backends run in the Pallas interpreter here (the same kernel program, on CPU).
+INTERPRET = {"splash"}
+
+
 @pytest.mark.parametrize("name", sorted(ATTENTION_IMPLS))
 def test_every_registered_impl_equals_xla(name):
     t, s, *masks = _case("packed")
     qkv, cotangent = _inputs(t, s, seed=1)
-    impl = functools.partial(ATTENTION_IMPLS[name], block_size=16)
+    impl = functools.partial(ATTENTION_IMPLS[name], block_size=16, **({"interpret": True} if name in INTERPRET else {}))
     out, grads = _value_and_grads(impl, qkv, masks, cotangent)
     out_x, grads_x = _value_and_grads(xla_attention, qkv, masks, cotangent)
     _close(out, out_x)
@@ -121,9 +126,10 @@ def test_xla_matches_a_float64_softmax():
     _close(out, expected)
 
 
-@pytest.mark.parametrize("name", sorted(ATTENTION_IMPLS))
+@pytest.mark.parametrize("name", sorted(set(ATTENTION_IMPLS) - FULL_FORWARD_ONLY))
 def test_rows_that_see_no_key_give_zero_and_finite_gradients(name):
-    """Row 0, query 3 has a segment id no key has; row 1's queries come before every key slot."""
+    """Row 0, query 3 has a segment id no key has; row 1's queries come before every key slot.
+    (In a full forward every query sees its own key, so full-forward-only kernels never meet such rows.)"""
     t, s = 6, 11
     q_slot = np.tile(np.arange(t), (2, 1))
     kv_slot = np.tile(np.arange(s), (2, 1))
@@ -180,15 +186,42 @@ def test_chunked_bfloat16_close_to_xla():
 
 def test_registry_and_auto():
     assert set(ATTENTION_IMPLS) == set(ATTENTION_IMPL_NAMES) - {"auto"}
-    for backend in ("cpu", "gpu", "tpu"):
-        assert resolve_attention_impl("auto", backend) == "chunked"
+    assert [resolve_attention_impl("auto", backend) for backend in ("cpu", "gpu", "tpu")] == [
+        "chunked", "chunked", "splash"]
     assert resolve_attention_impl("xla") == "xla"
-    with pytest.raises(ValueError, match="attention_impl = 'flash'.*'auto', 'xla', 'chunked'"):
+    with pytest.raises(ValueError, match="attention_impl = 'flash'.*'auto', 'xla', 'chunked', 'splash'"):
         resolve_attention_impl("flash")
 
 
+@pytest.mark.parametrize("case", ["one_sequence", "right_pad", "left_pad"])
+def test_splash_kernel_equals_xla(case):
+    """The TPU kernel's program in the Pallas interpreter: values and gradients of the full forward (rows of
+    29 or 37 tokens padded to one 128-token kernel block with a segment id no token has)."""
+    t, s, *masks = _case(case)
+    qkv, cotangent = _inputs(t, s, seed=3)
+    out_x, grads_x = _value_and_grads(xla_attention, qkv, masks, cotangent)
+    out, grads = _value_and_grads(functools.partial(splash_attention, interpret=True), qkv, masks, cotangent)
+    _close(out, out_x)
+    for got, want in zip(grads, grads_x, strict=True):
+        _close(got, want)
+
+
+def test_splash_refuses_other_backends_and_leaves_the_cache_to_chunked():
+    t, s, *masks = _case("prefill")
+    qkv, cotangent = _inputs(t, s, seed=4)
+    masks = tuple(jnp.asarray(m, jnp.int32) for m in masks)
+    with pytest.raises(ValueError, match="'splash' is the TPU Pallas kernel; this backend is 'cpu'"):
+        splash_attention(*_inputs(8, 8)[0], *(jnp.ones((2, 8), jnp.int32),) * 4, scale=1.0, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="'splash' runs the full forward only"):
+        splash_attention(*qkv, *masks, scale=1.0, dtype=jnp.float32, interpret=True)
+    # a KV cache (7 queries, 31 keys): the dispatcher runs DECODE_IMPL, so decoding works with 'splash' set
+    out = attention(*qkv, *masks, impl="splash", scale=DIM ** -0.5, dtype=jnp.float32, block_size=8)
+    _close(np.asarray(out), np.asarray(xla_attention(*qkv, *masks, scale=DIM ** -0.5, dtype=jnp.float32)))
+
+
 @pytest.mark.parametrize("changes,pattern", [
-    (dict(attention_impl="flash"), r"attention_impl = 'flash'; choose one of \['auto', 'xla', 'chunked'\]"),
+    (dict(attention_impl="flash"),
+     r"attention_impl = 'flash'; choose one of \['auto', 'xla', 'chunked', 'splash'\]"),
     (dict(attention_block_size=0), r"attention_block_size must be a positive integer, got 0"),
 ])
 def test_bad_attention_fields_are_named(changes, pattern):
