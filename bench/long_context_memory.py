@@ -6,7 +6,7 @@ XLA's ``memory_analysis()`` of the whole step (forward, backward, AdamW), so not
 is allocated and the numbers are deterministic. Per device: with ``--sequence 8`` the step runs
 on 8 CPU devices with the mesh's ``sequence`` axis sharding the tokens.
 
-    python bench/long_context_memory.py [--max-length 65536] [--sequence 8]
+    python bench/long_context_memory.py [--max-length 65536] [--sequence 8] [--logprob-chunk-size 1024]
 
 Targets (issue: long context): chunked temporaries grow at most 2.2x per doubling of T (xla
 ~4x); at the longest T with ``sequence=8`` the per-device temporaries are at most 1/6 of the
@@ -14,6 +14,7 @@ one-device chunked figure.
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -33,17 +34,18 @@ GROWTH_GOAL, SHARD_GOAL = 2.2, 1 / 6
 MIB = 2.0 ** 20
 
 
-def loss_fn(model, batch):
+def loss_fn(model, batch, chunk_size: int):
     logp, entropy, _ = model.token_logprobs(batch["ids"], batch["positions"], batch["segments"], batch["ids"],
-                                            chunk_size=1024)
+                                            chunk_size=chunk_size)
     return -jnp.mean(logp) - 0.01 * jnp.mean(entropy), {}
 
 
-def temporaries(config: ModelConfig, length: int, mesh_config: MeshConfig) -> float:
+def temporaries(config: ModelConfig, length: int, mesh_config: MeshConfig, chunk_size: int) -> float:
     """MiB of temporaries of one compiled train step on one sequence of ``length`` tokens (per device)."""
     mesh = make_mesh(mesh_config)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
-    step = build_train_step(graphdef, params, optax.adamw(1e-5), loss_fn, mesh)
+    step = build_train_step(graphdef, params, optax.adamw(1e-5), functools.partial(loss_fn, chunk_size=chunk_size),
+                            mesh)
     tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
     batch = {"ids": tokens, "positions": tokens, "segments": tokens}
     return step.lower(abstract_train_state(step, params), batch).compile().memory_analysis().temp_size_in_bytes / MIB
@@ -53,20 +55,23 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-length", type=int, default=65536)
     parser.add_argument("--sequence", type=int, default=8)
+    # the trainers' default update.logprob_chunk_size; its [chunk, 32768] float32 LM-head tiles are a
+    # per-device constant that sequence sharding does not divide
+    parser.add_argument("--logprob-chunk-size", type=int, default=1024)
     args = parser.parse_args()
     lengths = [4096 * 2 ** i for i in range(16) if 4096 * 2 ** i <= args.max_length]
     base = dict(vocab_size=151_936, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=8,
                 num_kv_heads=8, head_dim=64, max_position_embeddings=args.max_length, dtype="bfloat16")
     print(f"backend {jax.default_backend()}; Qwen3-style d=128, 2 layers, 8 heads, V=151,936, chunked LM head; "
-          f"MiB of temporaries of one train step on one sequence")
+          f"logprob chunk {args.logprob_chunk_size}; MiB of temporaries of one train step on one sequence")
     table = {}
     for impl in ("xla", "chunked"):
         config = ModelConfig(**base, attention_impl=impl)
         for length in lengths:
-            table[impl, 1, length] = temporaries(config, length, MeshConfig())
+            table[impl, 1, length] = temporaries(config, length, MeshConfig(), args.logprob_chunk_size)
         if args.sequence > 1:
             sharded = MeshConfig(sequence=args.sequence)
-            table[impl, args.sequence, lengths[-1]] = temporaries(config, lengths[-1], sharded)
+            table[impl, args.sequence, lengths[-1]] = temporaries(config, lengths[-1], sharded, args.logprob_chunk_size)
     print(f"{'T':>7}" + "".join(f"{impl:>12}{'x/doubling':>12}" for impl in ("xla", "chunked")))
     for i, length in enumerate(lengths):
         cells = ""

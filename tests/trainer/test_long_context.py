@@ -1,5 +1,6 @@
-"""The long-context options through the trainers: ``update.pack``, ``sft.pack`` and ``model.attention_impl``
-each give the same update as the reference layout or kernel.
+"""The long-context options through the trainers: ``update.pack``, ``sft.pack``, ``model.attention_impl``
+and ``model.context_parallel`` each give the same update as the reference layout or kernel, and an SFT
+curriculum reaches a 32K stage on a sequence-parallel mesh.
 
 With packing the learner's forwards run on packed rows; the losses read per-sample rows, so
 sequence-level terms (GSPO's sequence ratio, ``seq-mean-token-mean``) cannot mix samples.
@@ -22,6 +23,26 @@ def _changes(initial, final):
     return [b - a for a, b in zip(initial, final, strict=True)]
 
 
+def _train(trainer_type, config, check=lambda trainer: None):
+    """(parameter changes, first metrics row) of a run; ``check(trainer)`` before it starts."""
+    trainer = trainer_type(config)
+    try:
+        check(trainer)
+        before = test_loop._params(trainer)
+        trainer.run()
+        changes = _changes(before, test_loop._params(trainer))
+    finally:
+        trainer.close()
+    return changes, read_jsonl(str(config.output_dir + "/metrics.jsonl"))[0]
+
+
+def _assert_same_update(reference, other):
+    scale = max(float(np.max(np.abs(c))) for c in reference)
+    assert scale > 1e-4  # a real update, far above the tolerance below
+    for a, b in zip(reference, other, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
+
+
 def test_packed_rl_update_equals_one_sample_per_row(files, tmp_path):
     """Rows of 33 columns (prompts up to 24 tokens, 10 new) hold two or more of the ~15-token samples."""
     changes, rows = [], []
@@ -33,10 +54,7 @@ def test_packed_rl_update_equals_one_sample_per_row(files, tmp_path):
                              optimizer=GRADIENT_STEP)
         changes.append(_changes(*_run(config)))
         rows.append(read_jsonl(str(out / "metrics.jsonl"))[0])
-    scale = max(float(np.max(np.abs(c))) for c in changes[0])
-    assert scale > 1e-4  # a real update, far above the tolerance below
-    for a, b in zip(*changes, strict=True):
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
+    _assert_same_update(*changes)
     unpacked, packed = rows
     assert packed["update/loss"] == pytest.approx(unpacked["update/loss"], abs=1e-5)
     assert packed["mismatch/k3"] == pytest.approx(unpacked["mismatch/k3"], abs=1e-6)  # the packed recompute
@@ -53,17 +71,10 @@ def test_packed_sft_step_equals_one_pair_per_row(files, tmp_path):
         config = make_config(files, out, data={"max_response_tokens": 8}, optimizer=GRADIENT_STEP,
                              sft={"batch_size": 8, "micro_batches": 2, "pack": pack,
                                   "stages": [{"steps": 1, "max_length": 32}]})
-        trainer = SFTTrainer(config)
-        try:
-            before = test_loop._params(trainer)
-            trainer.run()
-            changes.append(_changes(before, test_loop._params(trainer)))
-        finally:
-            trainer.close()
-        rows.append(read_jsonl(str(out / "metrics.jsonl"))[0])
-    scale = max(float(np.max(np.abs(c))) for c in changes[0])
-    for a, b in zip(*changes, strict=True):
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
+        change, row = _train(SFTTrainer, config)
+        changes.append(change)
+        rows.append(row)
+    _assert_same_update(*changes)
     assert rows[1]["update/nll"] == pytest.approx(rows[0]["update/nll"], rel=1e-5)
     assert rows[1]["update/padding_fraction"] < rows[1]["update/padding_fraction_unpacked"]
 
@@ -77,18 +88,12 @@ def test_attention_impl_reaches_the_learner_and_changes_no_update(files, tmp_pat
     for impl in ("xla", "chunked"):
         config = make_config(files, tmp_path / impl, steps=1, optimizer=GRADIENT_STEP,
                              model={"attention_impl": impl, "attention_block_size": 4})
-        trainer = RLTrainer(config)
-        try:
+
+        def check(trainer, impl=impl):
             assert trainer.model().config.attention_impl == impl
-            before = test_loop._params(trainer)
-            trainer.run()
-            changes.append(_changes(before, test_loop._params(trainer)))
-        finally:
-            trainer.close()
-    scale = max(float(np.max(np.abs(c))) for c in changes[0])
-    assert scale > 1e-4
-    for a, b in zip(*changes, strict=True):
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
+
+        changes.append(_train(RLTrainer, config, check)[0])
+    _assert_same_update(*changes)
 
 
 # A hybrid: lightning, gated DeltaNet and softmax layers (Qwen3-Next-style softmax gate, partial RoPE).
@@ -109,28 +114,22 @@ def test_context_parallel_reaches_the_learner_and_changes_no_update(files, tmp_p
     from jaxrl.trainer.rl import RLTrainer
 
     traced = []
+
+    def check(trainer):
+        assert trainer.length == 12  # 11 columns, padded to a multiple of the 4 sequence shards
+
     original = context_parallel.ulysses
     monkeypatch.setattr(context_parallel, "ulysses", lambda *a, **k: traced.append(1) or original(*a, **k))
     changes, rows = [], []
     for mode in ("none", "ulysses"):
         traced.clear()
-        out = tmp_path / mode
-        config = make_config(files, out, steps=1, optimizer=GRADIENT_STEP, mesh={"data": 2, "sequence": 4},
-                             model={"architecture": HYBRID, "context_parallel": mode})
-        trainer = RLTrainer(config)
-        try:
-            assert trainer.length == 12
-            before = test_loop._params(trainer)
-            trainer.run()
-            changes.append(_changes(before, test_loop._params(trainer)))
-        finally:
-            trainer.close()
-        rows.append(read_jsonl(str(out / "metrics.jsonl"))[0])
+        config = make_config(files, tmp_path / mode, steps=1, optimizer=GRADIENT_STEP,
+                             mesh={"data": 2, "sequence": 4}, model={"architecture": HYBRID, "context_parallel": mode})
+        change, row = _train(RLTrainer, config, check)
+        changes.append(change)
+        rows.append(row)
         assert bool(traced) == (mode == "ulysses")
-    scale = max(float(np.max(np.abs(c))) for c in changes[0])
-    assert scale > 1e-4
-    for a, b in zip(*changes, strict=True):
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
+    _assert_same_update(*changes)
     assert rows[1]["mismatch/k3"] == pytest.approx(rows[0]["mismatch/k3"], abs=1e-6)
     assert rows[1]["update/loss"] == pytest.approx(rows[0]["update/loss"], abs=1e-5)
 
@@ -154,11 +153,7 @@ def test_sft_curriculum_reaches_a_32k_stage_context_parallel(files, tmp_path):
                          data={"train_files": [str(data)], "max_response_tokens": 32_768, "shuffle": False},
                          sft={"batch_size": 1, "stages": [{"steps": 1, "max_length": 16},
                                                           {"steps": 1, "max_length": 32_768}]})
-    trainer = SFTTrainer(config)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
+    _train(SFTTrainer, config)
     rows = read_jsonl(str(tmp_path / "sft" / "metrics.jsonl"))
     assert [r["sft/max_length"] for r in rows] == [16, 32_768]
     assert all(np.isfinite(r["update/loss"]) for r in rows)
