@@ -6,4 +6,5 @@ bash scripts/setup.sh
 if [ -f scripts/setup_sglang_cpu.sh ]; then bash scripts/setup_sglang_cpu.sh; fi
 # Lint first: it takes a second and names the file and line (configured in pyproject.toml).
 .venv/bin/ruff check --quiet .
-exec .venv/bin/python -m pytest -q -ra "$@"
+# --durations: every run lists its slowest tests, so the suite's time budget can be watched from CI logs.
+exec .venv/bin/python -m pytest -q -ra --durations=25 "$@"

@@ -1,7 +1,8 @@
 """Ulysses context parallelism (docs/models.md#context-parallelism) on 8 CPU devices: the full forward and
 the gradients of a hybrid (softmax + lightning + gated DeltaNet + MoE) decoder,
 with packed rows whose segments cross the sequence shards, equal the one-device result, over meshes
-sequence=8 (key/value heads repeated, DeltaNet heads padded), data=2 x sequence=4 and tensor=2 x sequence=4;
+sequence=8 (key/value heads repeated, DeltaNet heads padded) and data=2 x sequence=4 (a plan with tensor
+shards is in `test_switch`);
 the switch; and the per-device temporary memory of a forward + backward shrinks with the sequence shards.
 
 float32; tolerance 1e-5 of each array's largest magnitude: the sharded run sums partial gradients in
@@ -24,8 +25,7 @@ ROW = 32  # 4 tokens per shard at sequence=8
 # Row 2: one sequence. Row 3: many short segments (several per shard).
 LAYOUTS = ([(1, 5), (2, 13), (3, 9), (0, 5)], [(0, 3), (1, 10), (0, 2), (2, 11), (3, 6)], [(1, 32)],
            [(1, 3), (2, 4), (3, 2), (4, 7), (5, 1), (6, 6), (7, 5), (0, 4)])
-MESHES = {"sp8": MeshConfig(sequence=8), "dp2-sp4": MeshConfig(data=2, sequence=4),
-          "tp2-sp4": MeshConfig(tensor=2, sequence=4)}
+MESHES = {"sp8": MeshConfig(sequence=8), "dp2-sp4": MeshConfig(data=2, sequence=4)}
 DENSE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=8, num_kv_heads=2,
                     head_dim=8, rope_theta=10000.0, attention_block_size=8)
 HYBRID = DENSE.replace(
