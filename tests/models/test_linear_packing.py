@@ -75,10 +75,18 @@ def run_layer(layer, x, segment_ids, positions):
     return layer(x, positions=positions, segment_ids=segment_ids)[0]
 
 
-def alone(fn, inputs, span):
-    """fn on one segment's tokens in a row of its own (segment id 1, positions from 0)."""
-    length = span.stop - span.start
-    return fn(inputs[None, span], jnp.ones((1, length), jnp.int32), jnp.arange(length, dtype=jnp.int32)[None])[0]
+def alone(fn, inputs, spans):
+    """fn on every segment's tokens in a row of its own (segment id 1 and positions from 0 at the start,
+    padding after it up to ROW columns), all rows in one call (one compile): {(row, segment): output}."""
+    keys = [(row, segment, span) for row, found in enumerate(spans) for segment, span in found.items()]
+    rows = np.zeros((len(keys),) + tuple(inputs.shape[1:]), np.asarray(inputs).dtype)
+    segment_ids, positions = np.zeros((len(keys), ROW), np.int32), np.zeros((len(keys), ROW), np.int32)
+    for i, (row, _, span) in enumerate(keys):
+        length = span.stop - span.start
+        rows[i, :length] = np.asarray(inputs[row, span])
+        segment_ids[i, :length], positions[i, :length] = 1, np.arange(length)
+    out = fn(jnp.asarray(rows), jnp.asarray(segment_ids), jnp.asarray(positions))
+    return {(row, segment): out[i, : span.stop - span.start] for i, (row, segment, span) in enumerate(keys)}
 
 
 # ---------------------------------------------------------------- kernels
@@ -146,10 +154,10 @@ def test_layer_packed_segments_equal_their_own_rows(layer):
     segment_ids, positions, spans = packed()
     x = jnp.asarray(np.random.default_rng(3).normal(size=(len(spans), ROW, 32)), jnp.float32)
     got = run_layer(layer, x, jnp.asarray(segment_ids), jnp.asarray(positions))
+    wanted = alone(lambda *a: run_layer(layer, *a), x, spans)
     for row, found in enumerate(spans):
-        for span in found.values():
-            want = alone(lambda *a: run_layer(layer, *a), x[row], span)
-            np.testing.assert_allclose(got[row, span], want, **TOL)
+        for segment, span in found.items():
+            np.testing.assert_allclose(got[row, span], wanted[row, segment], **TOL)
 
 
 def test_layer_segments_do_not_leak_outputs_or_gradients(layer):
@@ -234,10 +242,10 @@ def test_decoder_packed_segments_equal_their_own_rows_and_do_not_leak(hybrid):
     ids = jnp.asarray(rng.integers(0, 64, size=(len(spans), ROW)))
     got = np.asarray(logits(hybrid, ids, jnp.asarray(segment_ids), jnp.asarray(positions)))
     assert np.abs(got).max() > 1.0
+    wanted = alone(lambda *a: logits(hybrid, *a), ids, spans)
     for row, found in enumerate(spans):
-        for span in found.values():
-            want = alone(lambda *a: logits(hybrid, *a), ids[row], span)
-            np.testing.assert_allclose(got[row, span], want, **TOL)
+        for segment, span in found.items():
+            np.testing.assert_allclose(got[row, span], wanted[row, segment], **TOL)
 
     changed = ids
     for row, found in enumerate(spans):
