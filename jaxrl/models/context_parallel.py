@@ -32,14 +32,9 @@ from jax.sharding import PartitionSpec
 
 from jaxrl.models.attention import attention
 from jaxrl.models.config import CONTEXT_PARALLEL_NAMES
-from jaxrl.models.sharding import logical_to_spec
+from jaxrl.models.sharding import logical_to_spec, spec_axes
 
 TOKEN_AXES = ("batch", "length", "act_heads")  # per-token arrays [B, T, H, ...]
-
-
-def _axes(entry) -> tuple[str, ...]:
-    """A PartitionSpec entry (None, a name or a tuple of names) as a tuple of mesh axis names."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 class Plan(NamedTuple):
@@ -69,9 +64,9 @@ def plan(mode: str, batch: int, length: int) -> Plan | None:
         return None
     # mesh.size is a multiple of every product of mesh axes, so the heads entry lists every axis it may use
     spec = logical_to_spec(TOKEN_AXES, (batch, length, mesh.size), mesh)
-    sequence_axes, head_axes = _axes(spec[1]), _axes(spec[2])
+    sequence_axes, head_axes = spec_axes(spec[1]), spec_axes(spec[2])
     shards = math.prod(mesh.shape[a] for a in sequence_axes)
-    wanted = _axes(logical_to_spec(("length",), mesh=mesh)[0])
+    wanted = spec_axes(logical_to_spec(("length",), mesh=mesh)[0])
     if mode == "ulysses" and (not wanted or sequence_axes != wanted):
         raise ValueError(f"ModelConfig.context_parallel = 'ulysses': the mesh axes {wanted} of logical axis "
                          f"'length' must divide the sequence length {length}; pad the rows or change the mesh")
@@ -80,7 +75,7 @@ def plan(mode: str, batch: int, length: int) -> Plan | None:
     return Plan(sequence_axes, head_axes, shards, shards * math.prod(mesh.shape[a] for a in head_axes))
 
 
-def pad_axis(x: jax.Array, pad: int, axis: int) -> jax.Array:
+def _pad_axis(x: jax.Array, pad: int, axis: int) -> jax.Array:
     """x with `pad` zeros appended along `axis`."""
     if not pad:
         return x
@@ -113,7 +108,7 @@ def ulysses(fn: Callable, per_token: Sequence[jax.Array], per_row: Sequence[jax.
     share = (heads + pad) // plan.head_shards
     # a spec names the leading dimensions only: [B, T, H] of every per-token array, [H] of a per-head one
     token_spec = logical_to_spec(TOKEN_AXES, (batch, length, heads + pad), jax.sharding.get_abstract_mesh())
-    if (_axes(token_spec[1]), _axes(token_spec[2])) != (plan.sequence_axes, plan.head_axes):
+    if (spec_axes(token_spec[1]), spec_axes(token_spec[2])) != (plan.sequence_axes, plan.head_axes):
         raise ValueError(f"ulysses: arrays [{batch}, {length}, {heads}, ...] shard as {token_spec}, not as {plan}")
     head_order = plan.head_axes + plan.sequence_axes  # the heads shard, then the sequence shard
     axis = plan.sequence_axes
@@ -134,7 +129,7 @@ def ulysses(fn: Callable, per_token: Sequence[jax.Array], per_row: Sequence[jax.
         local, in_specs=(token_spec, PartitionSpec(*token_spec[:2]), PartitionSpec(head_order)),
         out_specs=token_spec,
         check_vma=False,  # the kernels' scan / cond carries start from zeros that vary over no mesh axis
-    )(tuple(pad_axis(x, pad, 2) for x in per_token), tuple(per_row), tuple(pad_axis(x, pad, 0) for x in per_head))
+    )(tuple(_pad_axis(x, pad, 2) for x in per_token), tuple(per_row), tuple(_pad_axis(x, pad, 0) for x in per_head))
     return tuple(x[:, :, :heads] for x in outs)
 
 

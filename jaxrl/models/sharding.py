@@ -184,16 +184,26 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh):
     return nnx.merge(graphdef, jax.device_put(state, shardings)), shardings
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry (None, a mesh axis name or a tuple of them) as a tuple of mesh axis names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _logical_devices(mesh: jax.sharding.Mesh, name: str) -> int:
+    """How many ways the rules of logical axis ``name`` split it on ``mesh``."""
+    return math.prod(mesh.shape[axis] for axis in LOGICAL_AXIS_RULES[name] if axis in mesh.shape)
+
+
 def batch_devices(mesh: jax.sharding.Mesh) -> int:
     """How many ways the "batch" logical axis splits rows on ``mesh`` (data-parallel width)."""
-    return math.prod(mesh.shape[axis] for axis in LOGICAL_AXIS_RULES["batch"] if axis in mesh.shape)
+    return _logical_devices(mesh, "batch")
 
 
 def sequence_row_length(length: int, mesh: jax.sharding.Mesh) -> int:
     """``length`` rounded up to a multiple of the ways the "length" logical axis splits a row on ``mesh``,
     so that context parallelism (docs/models.md#context-parallelism) can split the trainers' rows evenly
     (the extra columns are padding, segment id 0)."""
-    shards = math.prod(mesh.shape[axis] for axis in LOGICAL_AXIS_RULES["length"] if axis in mesh.shape)
+    shards = _logical_devices(mesh, "length")
     return -(-length // shards) * shards
 
 

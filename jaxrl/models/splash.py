@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxrl.models.sharding import logical_to_spec
+from jaxrl.models.sharding import logical_to_spec, spec_axes
 
 BLOCK_MULTIPLE = 128  # TPU kernel blocks are multiples of the 128-lane width
 PAD_SEGMENT = -1
@@ -91,8 +91,7 @@ def splash_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *,
         return _local(q, k, v, q_segment_ids, kv_segment_ids, **kwargs)
     batch, length, kv_heads = k.shape[:3]
     spec = logical_to_spec(("batch", "length", "act_heads"), (batch, length, kv_heads), mesh)
-    length_axes = () if spec[1] is None else (spec[1],) if isinstance(spec[1], str) else spec[1]
-    if math.prod(mesh.shape[a] for a in length_axes) > 1:
+    if math.prod(mesh.shape[a] for a in spec_axes(spec[1])) > 1:
         raise ValueError("attention_impl = 'splash' needs whole sequences per device, but the mesh shards "
                          "'length'; set model.context_parallel to 'auto' or 'ulysses'")
     spec = PartitionSpec(spec[0], None, spec[2])

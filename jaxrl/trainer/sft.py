@@ -116,7 +116,8 @@ class SFTTrainer:
             self._enter_stage(stage_index)
         t0 = time.perf_counter()
         examples = next(self.iterator)
-        length = sequence_row_length(self.config.sft.stages[stage_index].max_length - 1, self.mesh)
+        stage = self.config.sft.stages[stage_index]
+        length = sequence_row_length(stage.max_length - 1, self.mesh)
         pairs = StepBatch.pack([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
                                self.tokenizer.pad_token_id)
         sft = self.config.sft
@@ -135,7 +136,7 @@ class SFTTrainer:
         elapsed = time.perf_counter() - t0
         return {**update_names({**metrics, **padding}), **self.guard.metrics(),
                 "update/lr": float(self.schedule(step - 1)), "sft/stage": stage_index,
-                "sft/max_length": self.config.sft.stages[stage_index].max_length, "sft/tokens": pairs.num_tokens,
+                "sft/max_length": stage.max_length, "sft/tokens": pairs.num_tokens,
                 "data/bad_rows": self.data_report.bad_rows, "data/too_long_for_every_stage": self.too_long,
                 "time/step": elapsed, "time/tokens_per_second": pairs.num_tokens / elapsed}
 
