@@ -42,6 +42,11 @@ def main():
     from jaxrl.models import Decoder, MeshConfig, ModelConfig, make_mesh
     from jaxrl.trainer.update import abstract_train_state, build_train_step
 
+    try:
+        import libtpu  # noqa: F401  (describes the TPU topology; nothing runs on a TPU)
+    except ImportError:
+        sys.exit("bench/tpu_attention_aot.py needs libtpu: pip install libtpu==0.0.42.1 (or pip install "
+                 "--target DIR libtpu==0.0.42.1 and pass --libtpu DIR)")
     topology = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
     chips = len(topology.devices)
     print(f"{args.topology}: {chips} x {topology.devices[0].device_kind}; Qwen3 1B-class width, "
