@@ -91,7 +91,12 @@ class Checkpointer:
         return step % self.config.every == 0
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Starts saving ``state`` (a pytree of jax arrays) and ``meta`` (JSON-able) as ``step``."""
+        """Starts saving ``state`` (a pytree of jax arrays) and ``meta`` (JSON-able) as ``step``.
+
+        A previous background save is waited for first (Orbax would block on it anyway), so its
+        failure is reported under its own step, not under this one."""
+        if self._pending is not None:
+            self.wait()
         self._pending = step
         try:
             self._manager.save(
