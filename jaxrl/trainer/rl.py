@@ -150,7 +150,8 @@ class RLTrainer:
         with clock("reward"):
             scored, flat = self._score(examples, samples)
         batch, valid = self._pack(flat, scored)
-        with clock("recompute"):
+        # Bypass without a KL reference runs no learner forward here, so there is no stage to time.
+        with clock("recompute", timed=not objective.bypass or self.reference is not None):
             batch, recompute_metrics = stages.recompute(batch, self.scorer, self.state["params"], self.reference,
                                                         bypass=objective.bypass)
         self._dump(step, batch)
@@ -351,7 +352,10 @@ class _StageClock:
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
-    def __call__(self, stage: str):
+    def __call__(self, stage: str, timed: bool = True):
+        if not timed:
+            yield
+            return
         t = time.perf_counter()
         try:
             yield

@@ -1,0 +1,367 @@
+"""Every objective option through the trainer: each run's update equals a hand-rolled step of the
+loss library on the batch the trainer built, and the option visibly changes that step.
+
+The hand-rolled step (``_hand_rolled``) recomputes the learner's logprobs with the model, calls
+``losses.rl_objective`` with the run's ``ObjectiveConfig``, differentiates it with ``jax.grad``
+and applies Adam written out in numpy (Kingma & Ba, Algorithm 1). Runs use ``lr = 1``,
+``eps = 1`` and no clipping, so a parameter change is about the gradient itself (not its sign),
+and two mini-batches per step (S = 2), so the second update sees a moved policy: ratios leave 1,
+clips and the KL to the reference bite. Each test also checks its option's own effect: the
+counterfactual step without the option moves the parameters elsewhere, by far more than the
+tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl import losses
+from jaxrl.trainer import stages
+from jaxrl.trainer.metrics import read_jsonl
+from jaxrl.trainer.rl import RLTrainer
+import test_loop
+from test_loop import make_config
+
+files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
+
+LR, EPS = 1.0, 1.0
+# The rollout samples at temperature 0.7 and reports the logprobs it sampled from: the engine and
+# the learner then disagree as much as a real low-precision engine, so corrections have work to do.
+MISMATCHED_ROLLOUT = {"temperature": 0.7, "logprob_kind": "processed"}
+
+
+@dataclasses.dataclass
+class Run:
+    """What a run did: its config, per step the batch the update saw, whether it skipped, the
+    scores and validity the advantages came from; the parameters before and after; the logged rows."""
+
+    config: object
+    graphdef: object
+    initial: object
+    final: object = None
+    reference_after: object = None
+    batches: list = dataclasses.field(default_factory=list)
+    skips: list = dataclasses.field(default_factory=list)
+    scores: list = dataclasses.field(default_factory=list)
+    opt_state_before: list = dataclasses.field(default_factory=list)
+    opt_state_after: object = None
+    rows: list = dataclasses.field(default_factory=list)
+    recomputes: int = 0
+
+
+def _host(tree):
+    return jax.tree.map(lambda x: np.array(x), tree)
+
+
+def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=None, rollout=None,
+         update=None) -> Run:
+    config = make_config(files, out, steps=steps, objective=objective or {}, advantage=advantage or {},
+                         rollout=rollout or {}, update={"mini_batches": 2, **(update or {})},
+                         optimizer={"lr": LR, "eps": EPS, "clip_norm": 0.0})
+    trainer = RLTrainer(config)
+    run = Run(config, trainer.train_step.graphdef, _host(trainer.state["params"]))
+    original_update, original_advantages = trainer._update, stages.advantages
+    original_scorer = trainer.scorer
+
+    def update(batch, step, skip):
+        run.batches.append(batch)
+        run.skips.append(skip)
+        run.opt_state_before.append(_host(trainer.state["opt_state"]))
+        return original_update(batch, step, skip)
+
+    def advantages(batch, scores, valid, *args, **kwargs):
+        run.scores.append((np.array(scores), np.array(valid)))
+        return original_advantages(batch, scores, valid, *args, **kwargs)
+
+    def scorer(params, *inputs):
+        run.recomputes += 1
+        return original_scorer(params, *inputs)
+
+    trainer._update, trainer.scorer = update, scorer
+    monkeypatch.setattr(stages, "advantages", advantages)
+    try:
+        trainer.run()
+        run.final = _host(trainer.state["params"])
+        run.opt_state_after = _host(trainer.state["opt_state"])
+        run.reference_after = None if trainer.reference is None else _host(trainer.reference)
+    finally:
+        trainer.close()
+    run.rows = read_jsonl(str(out / "metrics.jsonl"))
+    return run
+
+
+def _model_logp(run: Run, params, tokens):
+    model = nnx.merge(run.graphdef, params)
+    logp, entropy, _ = model.token_logprobs(*(jnp.asarray(x) for x in tokens.model_inputs()),
+                                            chunk_size=run.config.update.logprob_chunk_size)
+    return logp, entropy
+
+
+def _mini_batches(run: Run, batch):
+    count = run.config.update.mini_batches
+    size = batch.rows // count
+    for s in range(count):
+        rows = slice(s * size, (s + 1) * size)
+        yield s, jax.tree.map(lambda x, rows=rows: jnp.asarray(x[rows]), batch)
+
+
+def _hand_rolled(run: Run, objective: losses.ObjectiveConfig | None = None):
+    """The parameters after the run's updates, stepped here: ``rl_objective`` (with ``objective``,
+    default the run's) on each mini-batch of each recorded batch, ``jax.grad``, then Adam in numpy."""
+    objective = objective or run.config.objective
+    o = run.config.optimizer
+    params = jax.tree.map(jnp.asarray, run.initial)
+    leaves, treedef = jax.tree.flatten(params)
+    m = [np.zeros_like(np.asarray(x)) for x in leaves]
+    v = [np.zeros_like(np.asarray(x)) for x in leaves]
+    t = 0
+    for step, (batch, skip) in enumerate(zip(run.batches, run.skips, strict=True), start=1):
+        if skip:
+            continue
+        for s, mini in _mini_batches(run, batch):
+            key = jax.random.fold_in(jax.random.key(run.config.seed), step * run.config.update.mini_batches + s)
+            normalizer = losses.loss_normalizer(objective.aggregation, mini.mask)
+
+            def loss(p, mini=mini, key=key, normalizer=normalizer):
+                logp, entropy = _model_logp(run, p, mini)
+                return losses.rl_objective(objective, logp, mini.old_logp, mini.advantages, mini.mask,
+                                           rollout_logp=mini.rollout_logp, ref_logp=mini.ref_logp, entropy=entropy,
+                                           normalizer=normalizer, key=key)[0]
+
+            grads = [np.asarray(g, np.float64) for g in jax.tree.leaves(jax.grad(loss)(params))]
+            t += 1
+            new = []
+            for i, (p, g) in enumerate(zip(jax.tree.leaves(params), grads, strict=True)):
+                m[i] = o.b1 * m[i] + (1 - o.b1) * g
+                v[i] = o.b2 * v[i] + (1 - o.b2) * g * g
+                m_hat, v_hat = m[i] / (1 - o.b1 ** t), v[i] / (1 - o.b2 ** t)
+                new.append(jnp.asarray(np.asarray(p, np.float64) - LR * m_hat / (np.sqrt(v_hat) + EPS), jnp.float32))
+            params = jax.tree.unflatten(treedef, new)
+    return _host(params)
+
+
+def _change(before, after) -> np.ndarray:
+    return np.concatenate([(np.asarray(b) - np.asarray(a)).ravel()
+                           for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)])
+
+
+def _assert_update_is_the_library_step(run: Run, without: dict | None = None) -> None:
+    """The run's parameter change equals the hand-rolled one within float32 tolerance and, with
+    ``without`` (ObjectiveConfig fields), differs from the counterfactual step by >= 30x that."""
+    trained = _change(run.initial, run.final)
+    expected = _change(run.initial, _hand_rolled(run))
+    scale = float(np.max(np.abs(expected)))
+    assert scale > 1e-3, "the step barely moved the parameters: nothing to compare"
+    tolerance = 1e-4 * scale
+    np.testing.assert_allclose(trained, expected, rtol=0, atol=tolerance)
+    if without is not None:
+        counterfactual = dataclasses.replace(run.config.objective, **without)
+        other = _change(run.initial, _hand_rolled(run, counterfactual))
+        assert float(np.max(np.abs(other - expected))) > 30 * tolerance, f"{without} changes nothing here"
+
+
+def _last(run: Run, name: str) -> float:
+    return run.rows[-1][name]
+
+
+# ---------------------------------------------------------------- policy losses and clipping
+
+@pytest.mark.parametrize("objective, without", [
+    ({"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}, {"policy_loss": "ppo"}),
+    # With one advantage per sequence (as the trainer's estimators give) GSPO-token's gradient is
+    # GSPO's (Zheng et al. 2025, arXiv 2507.18071, sec. 4.3), so its counterfactual is PPO.
+    ({"policy_loss": "gspo-token", "eps_low": 3e-4, "eps_high": 4e-4}, {"policy_loss": "ppo"}),
+    ({"eps_low": 0.01, "eps_high": 0.01}, {"eps_low": 0.2, "eps_high": 0.28}),
+    ({"aggregation": "seq-mean-token-mean"}, {"aggregation": "token-mean"}),
+    ({"aggregation": "seq-mean-token-sum-norm"}, {"aggregation": "token-mean"}),
+], ids=["gspo", "gspo-token", "tight-clip", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_policy_loss_options_update_as_the_library_does(files, tmp_path, monkeypatch, objective, without):
+    run = _run(files, tmp_path, monkeypatch, objective=objective)
+    _assert_update_is_the_library_step(run, without)
+    if "eps_low" in objective:  # the clip bites on the second mini-batch's moved policy
+        assert _last(run, "update/clip_frac") > 0
+
+
+def test_dual_clip_bounds_negative_advantage_ratios(files, tmp_path, monkeypatch):
+    run = _run(files, tmp_path, monkeypatch, objective={"eps_low": 0.01, "eps_high": 0.01, "dual_clip": 1.01})
+    _assert_update_is_the_library_step(run, {"dual_clip": None})
+    assert _last(run, "update/dual_clip_frac") > 0
+
+
+# ---------------------------------------------------------------- the reference model and KL
+
+def _assert_reference_is_the_initial_policy(run: Run) -> None:
+    """The reference parameters never change and ``ref_logp`` is the initial policy's logprob."""
+    for a, b in zip(jax.tree.leaves(run.initial), jax.tree.leaves(run.reference_after), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for batch in run.batches:
+        ref_logp, _ = _model_logp(run, jax.tree.map(jnp.asarray, run.initial), batch)
+        m = np.asarray(batch.mask) > 0
+        np.testing.assert_allclose(np.asarray(batch.ref_logp)[m], np.asarray(ref_logp)[m], atol=1e-5)
+
+
+@pytest.mark.parametrize("objective", [
+    {"kl_kind": "k2-as-loss"},
+    {"kl_kind": "k3-as-loss"},
+    {"kl_kind": "minimax"},
+    {"kl_kind": "k3-as-loss", "kl_off_policy_correction": False},
+], ids=["k2", "k3", "minimax", "k3-on-policy-form"])
+def test_kl_as_loss_pulls_towards_a_frozen_reference(files, tmp_path, monkeypatch, objective):
+    """The first mini-batch is at the reference (KL 0, no KL gradient); the second has moved, so
+    the logged KL is positive and the step differs from the same step with kl_coef = 0."""
+    run = _run(files, tmp_path, monkeypatch, objective={**objective, "kl_coef": 1.0})
+    _assert_update_is_the_library_step(run, {"kl_kind": "none", "kl_coef": 0.0})
+    # k3 >= 0 token by token; k1's batch mean can be negative on samples of the old policy.
+    assert _last(run, "update/kl_k3") > 1e-3
+    if objective.get("kl_off_policy_correction") is False:  # the plain as-loss is k3's value, >= 0
+        assert _last(run, "update/kl_loss") > 1e-3
+    _assert_reference_is_the_initial_policy(run)
+
+
+def test_k1_in_reward_lowers_each_reward_by_its_kl(files, tmp_path, monkeypatch):
+    """Step 2 samples from a moved policy: each sample's reward drops by exactly
+    coef * sum_t (old_logp - ref_logp) over its tokens before GRPO sees it."""
+    coef = 0.5
+    run = _run(files, tmp_path, monkeypatch, steps=2, objective={"kl_kind": "k1-in-reward", "kl_coef": coef})
+    _assert_update_is_the_library_step(run)
+    _assert_reference_is_the_initial_policy(run)
+    batch, (scores, valid) = run.batches[1], run.scores[1]
+    mask = np.asarray(batch.mask)
+    kl = ((np.asarray(batch.old_logp, np.float64) - np.asarray(batch.ref_logp, np.float64)) * mask).sum(axis=1)
+    assert np.max(np.abs(kl)) > 1e-3  # the policy moved: the penalty is not zero
+    shaped = scores - coef * kl
+    groups = shaped.reshape(-1, run.config.rollout.group_size)
+    expected = (groups - groups.mean(axis=1, keepdims=True)) / np.maximum(groups.std(axis=1, ddof=1, keepdims=True),
+                                                                          run.config.advantage.std_min)
+    np.testing.assert_allclose(np.asarray(batch.advantages)[mask > 0],
+                               np.broadcast_to(expected.reshape(-1, 1), mask.shape)[mask > 0], atol=1e-5)
+    assert valid.all()
+
+
+# ---------------------------------------------------------------- bypass, corrections, filter
+
+def test_bypass_uses_the_engines_logprobs_and_recomputes_nothing(files, tmp_path, monkeypatch):
+    run = _run(files, tmp_path, monkeypatch, objective={"bypass": True}, rollout=MISMATCHED_ROLLOUT)
+    batch = run.batches[0]
+    np.testing.assert_array_equal(np.asarray(batch.old_logp), np.asarray(batch.rollout_logp))
+    assert run.recomputes == 0 and "time/recompute" not in run.rows[0]
+    _assert_update_is_the_library_step(run)
+    # The learner's own logprobs would have given another step: bypass is not a no-op here.
+    learner = jax.tree.map(jnp.asarray, run.initial)
+    logp, _ = _model_logp(run, learner, batch)
+    recomputed = dataclasses.replace(run, batches=[batch.replace(old_logp=np.asarray(logp))],
+                                     config=dataclasses.replace(
+                                         run.config, objective=dataclasses.replace(run.config.objective, bypass=False)))
+    other = _change(run.initial, _hand_rolled(recomputed))
+    assert float(np.max(np.abs(other - _change(run.initial, run.final)))) > 1e-3
+
+
+CORRECTIONS = {
+    "token-tis": ({"tis_cap": 1.0}, "token_tis_clipped_token_frac"),
+    "seq-tis": ({"tis_cap": 1.0}, "seq_tis_clipped_seq_frac"),
+    "token-mis": ({"mis_c_low": 2.0, "mis_c_high": 1.0}, "token_mis_masked_token_frac"),
+    "seq-mis": ({"seq_mis_cap": 1.0}, "seq_mis_masked_seq_frac"),
+    "geo-rs": ({"geo_rs_lower": 0.9, "geo_rs_upper": 1.1}, "geo_rs_masked_seq_frac"),
+}
+
+
+def test_icepop_is_token_mis_under_its_papers_name():
+    assert losses.objective._CORRECTIONS["icepop"] is losses.objective._CORRECTIONS["token-mis"]
+
+
+@pytest.mark.parametrize("name", list(CORRECTIONS))
+def test_mismatch_correction_weights_the_step_as_logged(files, tmp_path, monkeypatch, name):
+    """The logged clipped / masked fraction is the library's on the recorded batch, strictly
+    between 0 and 1, and the step is the corrected library step."""
+    options, fraction = CORRECTIONS[name]
+    run = _run(files, tmp_path, monkeypatch, objective={"mismatch_correction": name, **options},
+               rollout=MISMATCHED_ROLLOUT)
+    _assert_update_is_the_library_step(run, {"mismatch_correction": "none"})
+    batch = run.batches[0]
+    correct, keywords = losses.objective._CORRECTIONS[name]
+    values = []
+    for _, mini in _mini_batches(run, batch):
+        _, _, metrics = correct(mini.old_logp, mini.rollout_logp, mini.mask,
+                                **{k: getattr(run.config.objective, f) for k, f in keywords.items()})
+        values.append(float(metrics[fraction]))
+    assert 0 < np.mean(values) < 1
+    assert _last(run, f"update/{fraction}") == pytest.approx(np.mean(values), abs=1e-6)
+
+
+@pytest.mark.parametrize("threshold, skipped", [(1e-6, True), (1e6, False)], ids=["crossed", "not-crossed"])
+def test_batch_filter_skips_the_whole_update(files, tmp_path, monkeypatch, threshold, skipped):
+    run = _run(files, tmp_path, monkeypatch, objective={"batch_filter_threshold": threshold},
+               rollout=MISMATCHED_ROLLOUT)
+    batch = run.batches[0]
+    _, metrics = losses.batch_filter(jnp.asarray(batch.old_logp), jnp.asarray(batch.rollout_logp),
+                                     jnp.asarray(batch.mask), threshold=threshold, metric="mismatch_k3")
+    row = run.rows[0]
+    assert row["filter/value"] == pytest.approx(float(metrics["batch_filter_value"]), rel=1e-5)
+    assert run.skips == [skipped] and row["update/skipped_total"] == int(skipped)
+    if skipped:
+        for a, b in zip(jax.tree.leaves(run.initial), jax.tree.leaves(run.final), strict=True):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(run.opt_state_before[0]), jax.tree.leaves(run.opt_state_after), strict=True):
+            np.testing.assert_array_equal(a, b)
+    else:
+        _assert_update_is_the_library_step(run)
+
+
+# ---------------------------------------------------------------- entropy control
+
+@pytest.mark.parametrize("objective", [
+    {"entropy_control": "clip-cov", "clip_cov_ratio": 0.2, "clip_cov_omega_low": -10.0, "clip_cov_omega_high": 10.0},
+    {"entropy_control": "kl-cov", "kl_cov_ratio": 0.2, "kl_cov_beta": 10.0},
+], ids=["clip-cov", "kl-cov"])
+def test_entropy_control_changes_the_step_as_the_library_does(files, tmp_path, monkeypatch, objective):
+    run = _run(files, tmp_path, monkeypatch, objective=objective)
+    _assert_update_is_the_library_step(run, {"entropy_control": "none"})
+    prefix = objective["entropy_control"].replace("-", "_")
+    assert _last(run, f"update/{prefix}_count") > 0
+
+
+def test_entropy_bonus_raises_the_step_towards_higher_entropy(files, tmp_path, monkeypatch):
+    run = _run(files, tmp_path, monkeypatch, objective={"entropy_coef": 0.1})
+    _assert_update_is_the_library_step(run, {"entropy_coef": 0.0})
+    assert _last(run, "update/entropy_loss") < 0
+
+
+# ---------------------------------------------------------------- advantage estimators
+
+def _expected_advantages(estimator: str, scores: np.ndarray, group_size: int, std_min: float) -> np.ndarray:
+    """Closed forms (docs/losses.md#advantage-estimators) in numpy, every sample valid; the
+    batch-normalised estimators keep their own tiny std floor (1e-6, population std)."""
+    groups = scores.reshape(-1, group_size).astype(np.float64)
+    centred = groups - groups.mean(axis=1, keepdims=True)
+    if estimator == "grpo":
+        out = centred / np.maximum(groups.std(axis=1, ddof=1, keepdims=True), std_min)
+    elif estimator == "dr_grpo":
+        out = centred
+    elif estimator == "rloo":  # r_i minus the mean of the other G - 1 samples
+        out = centred * group_size / (group_size - 1)
+    elif estimator == "reinforce":
+        out = (groups - groups.mean()) / max(groups.std(), 1e-6)
+    else:  # reinforce_pp_baseline
+        out = (centred - centred.mean()) / max(centred.std(), 1e-6)
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline"])
+def test_advantage_estimator_reaches_the_update(files, tmp_path, monkeypatch, estimator):
+    run = _run(files, tmp_path, monkeypatch, advantage={"estimator": estimator})
+    batch, (scores, valid) = run.batches[0], run.scores[0]
+    assert valid.all() and np.ptp(scores) > 0
+    fn = losses.ADVANTAGE_ESTIMATORS[estimator]
+    kwargs = {"group_size": run.config.rollout.group_size} if estimator in losses.advantages.GROUPED_ESTIMATORS else {}
+    library, _ = fn(jnp.asarray(scores, jnp.float32), **kwargs)
+    expected = _expected_advantages(estimator, scores, run.config.rollout.group_size, run.config.advantage.std_min)
+    np.testing.assert_allclose(np.asarray(library), expected, atol=1e-5)
+    mask = np.asarray(batch.mask)
+    np.testing.assert_allclose(np.asarray(batch.advantages), np.asarray(library)[:, None] * mask, atol=1e-6)
+    _assert_update_is_the_library_step(run)
