@@ -6,24 +6,28 @@
                                         losses.broadcast_to_tokens(adv, mask), mask,
                                         normalizer=losses.loss_normalizer("token-mean", mask))
 
-Modules: ``advantages``, ``policy``, ``kl``, ``entropy``,
+Modules: ``advantages`` (with ``passk`` and ``gae``), ``policy``, ``kl``, ``entropy``, ``corrections``,
 ``mismatch`` (docs/losses.md, one section each), ``objective`` (all of them from one typed config). Token
 logprobs and entropy from hidden states come from the model's chunked LM head.
 """
 
-from jaxrl.losses import advantages, corrections, entropy, kl, mismatch, objective, policy
+from jaxrl.losses import advantages, aggregation, corrections, entropy, gae, kl, mismatch, objective, passk, policy
 from jaxrl.losses.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
     broadcast_to_tokens,
     dr_grpo_advantages,
-    gae_advantages,
     grpo_advantages,
+    opo_advantages,
     reinforce_advantages,
     reinforce_pp_baseline_advantages,
+    remax_advantages,
     rloo_advantages,
     sequence_advantages,
 )
+from jaxrl.losses.aggregation import AGGREGATION_MODES, aggregate_loss, loss_normalizer
+from jaxrl.losses.gae import gae_advantages
+from jaxrl.losses.passk import grpo_passk_advantages, passk_advantages
 from jaxrl.losses.entropy import (
     EntropyLawFit,
     centered_cov,
@@ -58,15 +62,17 @@ from jaxrl.losses.mismatch import sequence_log_ratio as mismatch_sequence_log_ra
 from jaxrl.losses.mismatch import token_log_ratio as mismatch_token_log_ratio
 from jaxrl.losses.objective import ObjectiveConfig, entropy_control_selection, rl_objective
 from jaxrl.losses.policy import (
-    AGGREGATION_MODES,
+    DUAL_CLIP_LOSSES,
     POLICY_LOSSES,
-    aggregate_loss,
+    cispo_token_loss,
+    gmpo_token_loss,
     gspo_log_ratio,
     gspo_token_loss,
-    loss_normalizer,
     masked_log_ratio,
     policy_token_loss,
     ppo_clip_token_loss,
+    reinforce_token_loss,
+    sapo_token_loss,
 )
 
 __all__ = [
@@ -81,4 +87,6 @@ __all__ = [
     "ppo_clip_token_loss", "reinforce_advantages", "reinforce_pp_baseline_advantages", "rl_objective",
     "rloo_advantages", "sequence_advantages", "sequence_mis", "sequence_tis", "token_entropy_from_logits",
     "token_logprobs_from_logits", "token_mis", "token_tis",
+    "aggregation", "gae", "grpo_passk_advantages", "opo_advantages", "passk", "passk_advantages", "remax_advantages",
+    "DUAL_CLIP_LOSSES", "cispo_token_loss", "gmpo_token_loss", "reinforce_token_loss", "sapo_token_loss",
 ]

@@ -1,7 +1,8 @@
 """Advantage estimators (docs/losses.md#advantage-estimators).
 
-Group estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline) accept the groups
-in one of three layouts, and return advantages in the layout they were given:
+Group estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, OPO, GRPO pass@k,
+Pass@k Training) accept the groups in one of three layouts, and return
+advantages in the layout they were given:
 
 * ``rewards`` of shape ``[num_groups, G]``: one row per prompt;
 * ``rewards`` of shape ``[B]`` with ``group_size=G``: contiguous groups
@@ -21,6 +22,10 @@ counts groups with at least one (unmasked) sample whose rewards are all equal
 alignment").
 Everything is computed in float32.
 
+Two estimators need a second per-sample input of the shape of ``rewards``:
+OPO the response ``lengths``, ReMax the ``baseline_rewards`` (the reward of a
+greedy response to each sample's prompt).
+
 :data:`ADVANTAGE_ESTIMATORS` names the sequence-level estimators;
 :class:`AdvantageConfig` picks one and :func:`sequence_advantages` applies it to
 a rollout batch of prompt groups.
@@ -29,109 +34,18 @@ a rollout batch of prompt groups.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.losses import _validate
+from jaxrl.losses._groups import (DEFAULT_STD_MIN, Groups, as_groups, check_std_args, clip_std, group_output,
+                                  group_stats, live_mask)
+from jaxrl.losses.passk import grpo_passk_advantages, passk_advantages
 
 Array = jax.Array
-
-# Appendix J recommends a floor that is small relative to the reward scale,
-# e.g. 0.1 for rewards in [0, 1]; it leaves binary-reward groups untouched.
-DEFAULT_STD_MIN = 0.1
-
-
-class _Groups(NamedTuple):
-    """Rewards as a flat ``[B]`` float32 vector with a group id per element."""
-
-    rewards: Array  # [B] float32
-    ids: Array  # [B] int32
-    live: Array  # [B] bool, the samples that enter the statistics
-    num_groups: int
-    shape: tuple[int, ...]  # the caller's layout, restored on output
-
-
-def _live(rewards, mask) -> Array:
-    """The mask flattened to ``[B]`` bool (all True when None), checked against ``rewards``."""
-    if mask is None:
-        return jnp.ones(jnp.size(rewards), bool)
-    _validate.check_mask("mask", mask)
-    _validate.check_same_shape(rewards=rewards, mask=mask)
-    return jnp.asarray(mask).astype(bool).reshape(-1)
-
-
-def _as_groups(rewards, group_size, group_ids, num_groups, mask) -> _Groups:
-    _validate.check_floating("rewards", rewards)
-    _validate.check_rank("rewards", rewards, (1, 2))
-    rewards = jnp.asarray(rewards)
-    shape = tuple(rewards.shape)
-    live = _live(rewards, mask)
-    if rewards.ndim == 2:
-        if group_size is not None or group_ids is not None:
-            raise ValueError(
-                f"rewards has shape {shape} ([num_groups, G] layout) so group_size and "
-                f"group_ids must be None; got group_size={group_size!r}, "
-                f"group_ids of shape {None if group_ids is None else jnp.shape(group_ids)}"
-            )
-        n, g = shape
-        ids = jnp.repeat(jnp.arange(n, dtype=jnp.int32), g)
-        return _Groups(rewards.reshape(-1).astype(jnp.float32), ids, live, n, shape)
-    if (group_size is None) == (group_ids is None):
-        raise ValueError(
-            f"rewards has shape {shape} (flat layout): pass exactly one of group_size "
-            f"(contiguous groups) or group_ids (with num_groups); got "
-            f"group_size={group_size!r}, group_ids={'None' if group_ids is None else 'given'}"
-        )
-    if group_size is not None:
-        _validate.check_divides("group_size", group_size, shape[0], "number of rewards")
-        n = shape[0] // group_size
-        ids = jnp.repeat(jnp.arange(n, dtype=jnp.int32), group_size)
-        return _Groups(rewards.astype(jnp.float32), ids, live, n, shape)
-    _validate.check_integer("group_ids", group_ids)
-    _validate.check_same_shape(rewards=rewards, group_ids=group_ids)
-    if not isinstance(num_groups, int) or num_groups <= 0:
-        raise ValueError(
-            f"num_groups={num_groups!r}: with group_ids pass the number of groups as a "
-            f"positive Python int (a static size, needed under jit)"
-        )
-    return _Groups(rewards.astype(jnp.float32), jnp.asarray(group_ids, jnp.int32), live, num_groups, shape)
-
-
-def _group_stats(groups: _Groups, ddof: int):
-    """Per-element group count, mean and std over the live samples, and the zero-variance group count."""
-    ids, n, live = groups.ids, groups.num_groups, groups.live
-    r = groups.rewards
-    count = jax.ops.segment_sum(live.astype(jnp.float32), ids, n)
-    mean = jax.ops.segment_sum(jnp.where(live, r, 0.0), ids, n) / jnp.maximum(count, 1.0)
-    centred = r - mean[ids]
-    sq = jax.ops.segment_sum(jnp.where(live, centred**2, 0.0), ids, n)
-    # A group of size <= ddof has no std estimate: call it 0 (then std_min applies).
-    var = jnp.where(count > ddof, sq / jnp.maximum(count - ddof, 1.0), 0.0)
-    std = jnp.sqrt(var)
-    spread = (jax.ops.segment_max(jnp.where(live, r, -jnp.inf), ids, n)
-              - jax.ops.segment_min(jnp.where(live, r, jnp.inf), ids, n))
-    zero_variance = jnp.sum((count > 0) & (spread == 0)).astype(jnp.int32)
-    return count[ids], mean[ids], std[ids], zero_variance
-
-
-def _output(groups: _Groups, adv: Array, zero_variance: Array) -> tuple[Array, dict[str, Array]]:
-    """Advantages in the caller's layout, 0 where masked, and the metrics."""
-    adv = jnp.where(groups.live, adv, 0.0)
-    return adv.reshape(groups.shape), {"zero_variance_groups": zero_variance}
-
-
-def _clip_std(std: Array, std_min: float, std_max: float) -> Array:
-    return jnp.clip(std, std_min, std_max)
-
-
-def _check_std_args(std_min, std_max, ddof):
-    _validate.check_positive("std_min", std_min)
-    _validate.check_ordered("std_min", std_min, "std_max", std_max)
-    _validate.check_choice("ddof", ddof, (0, 1))
-
 
 def grpo_advantages(
     rewards: Array,
@@ -160,10 +74,10 @@ def grpo_advantages(
       advantages (float32, same shape as ``rewards``), metrics
       ``{"zero_variance_groups": int32 scalar}``.
     """
-    _check_std_args(std_min, std_max, ddof)
-    groups = _as_groups(rewards, group_size, group_ids, num_groups, mask)
-    _, mean, std, zero_variance = _group_stats(groups, ddof)
-    return _output(groups, (groups.rewards - mean) / _clip_std(std, std_min, std_max), zero_variance)
+    check_std_args(std_min, std_max, ddof)
+    groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
+    _, mean, std, zero_variance = group_stats(groups, ddof)
+    return group_output(groups, (groups.rewards - mean) / clip_std(std, std_min, std_max), zero_variance)
 
 
 def dr_grpo_advantages(
@@ -178,9 +92,9 @@ def dr_grpo_advantages(
 
     Shapes and ``mask`` as :func:`grpo_advantages`.
     """
-    groups = _as_groups(rewards, group_size, group_ids, num_groups, mask)
-    _, mean, _, zero_variance = _group_stats(groups, ddof=0)
-    return _output(groups, groups.rewards - mean, zero_variance)
+    groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
+    _, mean, _, zero_variance = group_stats(groups, ddof=0)
+    return group_output(groups, groups.rewards - mean, zero_variance)
 
 
 def rloo_advantages(
@@ -197,11 +111,11 @@ def rloo_advantages(
     samples with mask 1). A group of one response has no leave-one-out
     baseline and gets advantage 0.
     """
-    groups = _as_groups(rewards, group_size, group_ids, num_groups, mask)
-    count, mean, _, zero_variance = _group_stats(groups, ddof=0)
+    groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
+    count, mean, _, zero_variance = group_stats(groups, ddof=0)
     # r_i - (sum - r_i)/(G-1) = G/(G-1) * (r_i - mean)
     scale = jnp.where(count > 1, count / jnp.maximum(count - 1.0, 1.0), 0.0)
-    return _output(groups, scale * (groups.rewards - mean), zero_variance)
+    return group_output(groups, scale * (groups.rewards - mean), zero_variance)
 
 
 def reinforce_advantages(
@@ -226,12 +140,12 @@ def reinforce_advantages(
       advantages (float32, shape of ``rewards``), metrics
       ``{"zero_variance_groups": 1 if the whole batch is constant else 0}``.
     """
-    _check_std_args(std_min, std_max, ddof)
+    check_std_args(std_min, std_max, ddof)
     _validate.check_floating("rewards", rewards)
     flat = jnp.asarray(rewards, jnp.float32).reshape(-1)
-    groups = _Groups(flat, jnp.zeros(flat.shape, jnp.int32), _live(rewards, mask), 1, tuple(jnp.shape(rewards)))
-    _, mean, std, zero_variance = _group_stats(groups, ddof)
-    return _output(groups, (flat - mean) / _clip_std(std, std_min, std_max), zero_variance)
+    groups = Groups(flat, jnp.zeros(flat.shape, jnp.int32), live_mask(rewards, mask), 1, tuple(jnp.shape(rewards)))
+    _, mean, std, zero_variance = group_stats(groups, ddof)
+    return group_output(groups, (flat - mean) / clip_std(std, std_min, std_max), zero_variance)
 
 
 def reinforce_pp_baseline_advantages(
@@ -253,65 +167,97 @@ def reinforce_pp_baseline_advantages(
     full batch. ``zero_variance_groups`` counts the groups, whose centred
     rewards are then all zero.
     """
-    _check_std_args(std_min, std_max, ddof)
-    groups = _as_groups(rewards, group_size, group_ids, num_groups, mask)
-    _, mean, _, zero_variance = _group_stats(groups, ddof=0)
+    check_std_args(std_min, std_max, ddof)
+    groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
+    _, mean, _, zero_variance = group_stats(groups, ddof=0)
     centred = groups.rewards - mean
     batch = groups._replace(rewards=centred, ids=jnp.zeros_like(groups.ids), num_groups=1)
-    _, batch_mean, batch_std, _ = _group_stats(batch, ddof)
-    return _output(groups, (centred - batch_mean) / _clip_std(batch_std, std_min, std_max), zero_variance)
+    _, batch_mean, batch_std, _ = group_stats(batch, ddof)
+    return group_output(groups, (centred - batch_mean) / clip_std(batch_std, std_min, std_max), zero_variance)
 
 
-def gae_advantages(
-    token_rewards: Array,
-    values: Array,
-    mask: Array,
+def _check_lengths_or_baselines(name: str, x, rewards) -> None:
+    """A per-sample numeric input (``lengths``, ``baseline_rewards``) shaped like ``rewards``."""
+    dtype = jnp.result_type(x)
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise ValueError(f"{name} has dtype {dtype} but a numeric (integer or floating) dtype was expected")
+    _validate.check_same_shape(rewards=rewards, **{name: x})
+
+
+def opo_advantages(
+    rewards: Array,
+    lengths: Array,
     *,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-) -> tuple[Array, Array]:
-    """GAE: ``A_t = sum_l (gamma*lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t+1} - V_t``
-    (docs/losses.md#gae-with-a-critic, PPO with a critic).
+    group_size: int | None = None,
+    group_ids: Array | None = None,
+    num_groups: int | None = None,
+    mask: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """OPO: ``A_i = r_i - b_g``, ``b_g = sum_j L_j r_j / sum_j L_j`` (docs/losses.md#opo).
 
-    Masked-out positions (prompt, padding, tool/environment tokens) are skipped:
-    the "next" step of a generated token is the next generated token of the same
-    sequence, and the sequence ends after its last generated token (V = 0 past
-    the end). Rewards and values at masked positions are ignored, so put each
-    reward on a generated token (usually the last one).
+    On-Policy RL with Optimal reward baseline (arXiv 2505.23585): the
+    variance-minimising baseline ``E[|grad log pi|^2 r] / E[|grad log pi|^2]``
+    with the squared gradient norm taken proportional to the response length,
+    i.e. the length-weighted mean reward of the prompt's group (verl
+    ``compute_opo_outcome_advantage``). No std division.
 
     Args:
-      token_rewards: float ``[B, T]``.
-      values: float ``[B, T]``, the critic's value of each position.
-      mask: bool/0-1 ``[B, T]``.
-      gamma, lam: discount and GAE lambda, in [0, 1].
+      rewards: float ``[num_groups, G]``, or ``[B]`` with ``group_size`` or
+        ``group_ids``/``num_groups`` (see module docstring).
+      lengths: ``L_i`` >= 0, the number of generated tokens of each response,
+        integer or float of the shape of ``rewards``.
+      mask: optional bool/0-1 of the shape of ``rewards``; ``j`` runs over the
+        group's samples with mask 1, the others get 0.
     Returns:
-      (advantages, returns), float32 ``[B, T]``, zero at masked positions;
-      ``returns = advantages + values`` on generated tokens (the critic target).
+      advantages (float32, shape of ``rewards``), metrics
+      ``{"zero_variance_groups": int32 scalar}``.
+
+    A group whose valid lengths sum to 0 falls back to the plain mean. A group
+    of one valid response gets advantage 0 (``b = r``); verl instead gives it
+    the baseline 0, i.e. ``A = r``.
     """
-    _validate.check_floating("token_rewards", token_rewards)
-    _validate.check_floating("values", values)
-    _validate.check_mask("mask", mask)
-    _validate.check_rank("token_rewards", token_rewards, 2)
-    _validate.check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
-    _validate.check_interval("gamma", gamma, 0.0, 1.0)
-    _validate.check_interval("lam", lam, 0.0, 1.0)
-    rewards = jnp.asarray(token_rewards, jnp.float32)
-    values = jnp.asarray(values, jnp.float32)
-    live = jnp.asarray(mask).astype(bool)
+    _check_lengths_or_baselines("lengths", lengths, rewards)
+    groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
+    ids, n, live = groups.ids, groups.num_groups, groups.live
+    weight = jnp.where(live, jnp.asarray(lengths, jnp.float32).reshape(-1), 0.0)
+    total = jax.ops.segment_sum(weight, ids, n)
+    weighted = jax.ops.segment_sum(jnp.where(live, weight * groups.rewards, 0.0), ids, n)
+    _, mean, _, zero_variance = group_stats(groups, ddof=0)
+    baseline = jnp.where(total[ids] > 0, weighted[ids] / jnp.maximum(total[ids], 1e-30), mean)
+    return group_output(groups, groups.rewards - baseline, zero_variance)
 
-    def step(carry, xs):
-        next_value, next_adv = carry
-        r, v, m = xs
-        delta = r + gamma * next_value - v
-        adv = delta + gamma * lam * next_adv
-        carry = (jnp.where(m, v, next_value), jnp.where(m, adv, next_adv))
-        return carry, jnp.where(m, adv, 0.0)
 
-    zeros = jnp.zeros(rewards.shape[0], jnp.float32)
-    _, adv_t = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, live.T), reverse=True)
-    adv = adv_t.T
-    returns = jnp.where(live, adv + values, 0.0)
-    return adv, returns
+def remax_advantages(
+    rewards: Array,
+    baseline_rewards: Array,
+    *,
+    mask: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """ReMax: ``A_i = r_i - r(x_i, y_greedy)`` (docs/losses.md#remax).
+
+    ReMax (arXiv 2310.10505): REINFORCE whose baseline is the reward of the
+    greedy (argmax-decoded) response to the same prompt; verl
+    ``compute_remax_outcome_advantage`` (outcome reward: every token's return
+    is ``r_i``). No group statistic, so it works with one sample per prompt.
+
+    Args:
+      rewards: float, any shape, one reward per sample.
+      baseline_rewards: ``[...]`` of the shape of ``rewards``: for each sample,
+        the reward of the greedy response to its prompt (repeat it over the
+        prompt's samples).
+      mask: optional bool/0-1 of the shape of ``rewards``; samples with mask 0
+        get 0.
+    Returns:
+      advantages (float32, shape of ``rewards``), metrics
+      ``{"zero_variance_groups": 1 if the valid rewards of the whole batch are all equal else 0}``
+      (as :func:`reinforce_advantages`: there are no groups here).
+    """
+    _validate.check_floating("rewards", rewards)
+    _check_lengths_or_baselines("baseline_rewards", baseline_rewards, rewards)
+    flat = jnp.asarray(rewards, jnp.float32).reshape(-1)
+    groups = Groups(flat, jnp.zeros(flat.shape, jnp.int32), live_mask(rewards, mask), 1, tuple(jnp.shape(rewards)))
+    _, _, _, zero_variance = group_stats(groups, ddof=0)
+    return group_output(groups, flat - jnp.asarray(baseline_rewards, jnp.float32).reshape(-1), zero_variance)
 
 
 def broadcast_to_tokens(sequence_values: Array, mask: Array) -> Array:
@@ -342,25 +288,40 @@ ADVANTAGE_ESTIMATORS = {
     "rloo": rloo_advantages,
     "reinforce": reinforce_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "opo": opo_advantages,
+    "remax": remax_advantages,
+    "grpo_passk": grpo_passk_advantages,
+    "passk": passk_advantages,
 }
 # Estimators whose baseline is a statistic of the prompt's group of samples (they take group_size).
-GROUPED_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-# Estimators that normalise by a group std take the config's std clip options.
-_STD_OPTIONS = {"grpo": ("std_min", "std_max", "ddof")}
+GROUPED_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "passk")
+# Estimator -> {its keyword argument: the AdvantageConfig field that sets it}.
+_CONFIG_OPTIONS = {
+    "grpo": {"std_min": "std_min", "std_max": "std_max", "ddof": "ddof"},
+    "grpo_passk": {"std_min": "std_min", "std_max": "std_max", "ddof": "ddof"},
+    "passk": {"k": "passk_k"},
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
     """estimator: one of the loss library's advantage estimators (docs/losses.md#advantage-estimators);
-    std clip for GRPO."""
+    std clip for GRPO and GRPO pass@k; passk_k: the k of "passk" (Pass@k Training)."""
 
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline"] = "grpo"
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline", "opo", "remax",
+                       "grpo_passk", "passk"] = "grpo"
     std_min: float = 0.1
     std_max: float = 1e6
     ddof: Literal[0, 1] = 1
+    passk_k: int = 4
 
     # Estimators whose baseline is a statistic of the prompt's group of samples.
     GROUPED = GROUPED_ESTIMATORS
+
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """Whether the rollout must also decode one greedy response per prompt ("remax")."""
+        return self.estimator == "remax"
 
     def __post_init__(self):
         _validate.check_choice("advantage.estimator", self.estimator, ADVANTAGE_ESTIMATORS)
@@ -368,10 +329,26 @@ class AdvantageConfig:
             raise ValueError(
                 f"advantage.std_min ({self.std_min}) must be > 0 and <= advantage.std_max ({self.std_max}); "
                 f"a zero floor divides a zero-variance group by zero")
+        if isinstance(self.passk_k, bool) or not isinstance(self.passk_k, int) or self.passk_k < 1:
+            raise ValueError(f"advantage.passk_k={self.passk_k!r} must be a positive int (the k of pass@k)")
 
 
-def sequence_advantages(config: AdvantageConfig, scores: np.ndarray, valid: np.ndarray,
-                        group_size: int) -> tuple[np.ndarray, dict]:
+def _per_sample_input(name: str, values, n: int, valid: np.ndarray, why: str) -> np.ndarray:
+    """``values`` as float32 ``[n]``, finite on the valid samples; raises naming ``name``."""
+    values = np.asarray(values)
+    if values.shape != (n,):
+        raise ValueError(f"{name} has shape {values.shape} but {(n,)} was expected ({why})")
+    if not (np.issubdtype(values.dtype, np.floating) or np.issubdtype(values.dtype, np.integer)):
+        raise ValueError(f"{name} has dtype {values.dtype} but a numeric dtype was expected ({why})")
+    values = values.astype(np.float32)
+    if not np.isfinite(values[valid]).all():
+        raise ValueError(f"{name} holds non-finite values on valid samples ({why})")
+    return values
+
+
+def sequence_advantages(config: AdvantageConfig, scores: np.ndarray, valid: np.ndarray, group_size: int, *,
+                        lengths: np.ndarray | None = None,
+                        baselines: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
     """[N] float32 advantages for N = prompts * G samples in prompt-major order (docs/losses.md#advantage-estimators).
 
     Samples with ``valid == False`` (unparsable, masked) enter no statistic (their
@@ -379,14 +356,46 @@ def sequence_advantages(config: AdvantageConfig, scores: np.ndarray, valid: np.n
     "reinforce_pp_baseline") and get advantage 0. The metric
     ``advantage/zero_variance_group_fraction`` is the fraction of prompt groups whose
     valid samples all have the same score (for every estimator).
+
+    Estimator inputs beyond the scores (ignored by the other estimators):
+      lengths: ``[N]``, the number of generated tokens of each response; required by "opo".
+      baselines: the reward of the greedy response to each prompt, ``[N]`` (one per
+        sample) or ``[N // G]`` (one per prompt, repeated over its group); required by "remax".
     """
     n = len(scores)
+    valid = np.asarray(valid, bool)
     num_prompts = n // group_size
-    options = {k: getattr(config, k) for k in _STD_OPTIONS.get(config.estimator, ())}
+    options = {arg: getattr(config, field) for arg, field in _CONFIG_OPTIONS.get(config.estimator, {}).items()}
     if config.estimator in GROUPED_ESTIMATORS:
         options["group_size"] = group_size
+    if config.estimator == "passk" and config.passk_k > group_size:
+        raise ValueError(
+            f"advantage.passk_k={config.passk_k} exceeds the group size {group_size}: a pass@k estimate needs "
+            f"k <= G samples per prompt, every group would get advantage 0; set advantage.passk_k <= "
+            f"rollout.group_size")
+    arrays = ()
+    if config.estimator == "opo":
+        if lengths is None:
+            raise ValueError(
+                "advantage.estimator='opo' weights the group baseline by response length: pass "
+                "lengths=[N] (the number of generated tokens of each sample) to sequence_advantages")
+        lengths = _per_sample_input("lengths", lengths, n, valid, "generated tokens per sample for 'opo'")
+        if (lengths[valid] < 0).any():
+            raise ValueError("lengths must be >= 0 (generated tokens per sample for 'opo')")
+        arrays = (jnp.asarray(lengths),)
+    elif config.estimator == "remax":
+        if baselines is None:
+            raise ValueError(
+                "advantage.estimator='remax' subtracts the reward of a greedy response to each prompt: pass "
+                "baselines=[N // group_size] (one per prompt) or [N] (one per sample) to sequence_advantages")
+        baselines = np.asarray(baselines)
+        if baselines.shape == (num_prompts,) and num_prompts * group_size == n:
+            baselines = np.repeat(baselines, group_size)
+        baselines = _per_sample_input("baselines", baselines, n, valid,
+                                      f"the greedy reward of each prompt, [{num_prompts}] or [{n}], for 'remax'")
+        arrays = (jnp.asarray(baselines),)
     adv, _ = ADVANTAGE_ESTIMATORS[config.estimator](
-        jnp.asarray(scores, jnp.float32), mask=jnp.asarray(valid, bool), **options)
+        jnp.asarray(scores, jnp.float32), *arrays, mask=jnp.asarray(valid, bool), **options)
     # The estimator's own zero-variance count is of the whole batch for "reinforce": the
     # fraction below counts prompt groups, valid samples only, whatever the estimator.
     valid_groups = [valid[i * group_size:(i + 1) * group_size] for i in range(num_prompts)]

@@ -23,7 +23,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxrl.losses import _validate, corrections, entropy as entropy_lib, kl as kl_lib, mismatch, policy
+from jaxrl.losses import _validate, aggregation, corrections, entropy as entropy_lib, kl as kl_lib, mismatch, policy
 
 Array = jax.Array
 
@@ -52,10 +52,12 @@ class ObjectiveConfig:
     """What :func:`rl_objective` computes. Validated on construction; errors name the field.
 
     Fields (defaults in brackets):
-      policy_loss ["ppo"]: "ppo" | "gspo" | "gspo-token" (docs/losses.md#policy-losses).
+      policy_loss ["ppo"]: one of ``policy.POLICY_LOSSES``: "ppo" | "gspo" | "gspo-token" | "cispo" |
+        "gmpo" | "reinforce" | "sapo" (docs/losses.md#policy-losses).
       eps_low, eps_high [0.2, 0.28]: clip range (DAPO clip-higher); GSPO wants
-        ~3e-4 / 4e-4. dual_clip [None]: c > 1 for A < 0.
-      aggregation ["token-mean"]: one of ``policy.AGGREGATION_MODES``; the
+        ~3e-4 / 4e-4, GMPO's are log-space bounds (paper 0.4 / 0.4), "reinforce" and "sapo"
+        ignore them. dual_clip [None]: c > 1 for A < 0, for the kinds in ``policy.DUAL_CLIP_LOSSES``.
+      aggregation ["token-mean"]: one of ``aggregation.AGGREGATION_MODES``; the
         caller computes ``normalizer`` with ``losses.loss_normalizer`` on the
         global batch for this mode.
       kl_kind ["none"], kl_coef [0.0]: KL regulariser (docs/losses.md#kl-regularisers). "k1-in-reward"
@@ -80,7 +82,7 @@ class ObjectiveConfig:
         the optimizer step (a zero loss is not a skip under Adam).
     """
 
-    policy_loss: Literal["ppo", "gspo", "gspo-token"] = "ppo"
+    policy_loss: Literal["ppo", "gspo", "gspo-token", "cispo", "gmpo", "reinforce", "sapo"] = "ppo"
     eps_low: float = 0.2
     eps_high: float = 0.28
     dual_clip: float | None = None
@@ -110,7 +112,7 @@ class ObjectiveConfig:
     def __post_init__(self):
         key = lambda field: f"ObjectiveConfig.{field}"  # noqa: E731
         _validate.check_choice(key("policy_loss"), self.policy_loss, policy.POLICY_LOSSES)
-        _validate.check_choice(key("aggregation"), self.aggregation, policy.AGGREGATION_MODES)
+        _validate.check_choice(key("aggregation"), self.aggregation, aggregation.AGGREGATION_MODES)
         _validate.check_choice(key("kl_kind"), self.kl_kind, KL_KINDS)
         _validate.check_choice(key("entropy_control"), self.entropy_control, ENTROPY_CONTROLS)
         _validate.check_choice(key("mismatch_correction"), self.mismatch_correction, MISMATCH_CORRECTIONS)
@@ -128,6 +130,9 @@ class ObjectiveConfig:
             _validate.check_positive(key(name), getattr(self, name), allow_zero=True)
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"{key('dual_clip')}={self.dual_clip!r} but a value > 1 (e.g. 3.0) or None was expected")
+        if self.dual_clip is not None and self.policy_loss not in policy.DUAL_CLIP_LOSSES:
+            raise ValueError(f"{key('dual_clip')}={self.dual_clip!r} but {key('policy_loss')}={self.policy_loss!r} "
+                             f"has no dual clip; set dual_clip to None or use one of {list(policy.DUAL_CLIP_LOSSES)}")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             _validate.check_interval(key(name), getattr(self, name), 0.0, 1.0)
         _validate.check_ordered(key("clip_cov_omega_low"), self.clip_cov_omega_low,
@@ -282,7 +287,7 @@ def rl_objective(
     mode = config.aggregation
 
     def aggregate(token_loss):
-        return policy.aggregate_loss(token_loss, mask, mode, normalizer)
+        return aggregation.aggregate_loss(token_loss, mask, mode, normalizer)
 
     pg_logp = logp
     if config.entropy_control == "clip-cov":

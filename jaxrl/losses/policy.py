@@ -1,4 +1,4 @@
-"""Policy-gradient surrogate losses and their aggregation (docs/losses.md#policy-losses).
+"""Policy-gradient surrogate losses (docs/losses.md#policy-losses).
 
 All token losses take ``[B, T]`` arrays (``B`` sequences, ``T`` positions),
 return a ``[B, T]`` float32 loss that is zero on masked-out tokens plus a dict
@@ -6,8 +6,8 @@ of metrics, and compute ratios in log space, exponentiating last. A masked-out
 token's ``logp``, ``old_logp`` or advantage never reaches a loss value, a
 gradient or a metric.
 
-Aggregation divides by a normaliser computed once on the *global* batch
-(:func:`loss_normalizer`) so that summing the losses of micro-batches gives the
+``jaxrl.losses.aggregation`` reduces them to a scalar, dividing by a normaliser computed
+once on the *global* batch so that summing the losses of micro-batches gives the
 full-batch loss and gradient whatever the split.
 """
 
@@ -22,7 +22,9 @@ from jaxrl.losses import _validate
 
 Array = jax.Array
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# The POLICY_LOSSES kinds that honour ``dual_clip``; the others raise ValueError when it is set.
+DUAL_CLIP_LOSSES = ("ppo", "gspo", "gspo-token")
 
 
 def _check_token_inputs(logp, old_logp, advantages, mask) -> None:
@@ -75,17 +77,25 @@ def _clipped_surrogate(log_ratio, advantages, mask, eps_low, eps_high, dual_clip
         dual_clipped = live & (adv < 0) & (ratio > dual_clip)
         loss = jnp.where(adv < 0, jnp.minimum(loss, -adv * dual_clip), loss)
     loss = jnp.where(live, loss, 0.0)
+    return loss, _ratio_metrics(live, ratio, clipped_high=clipped_high, clipped_low=clipped_low,
+                                dual_clipped=dual_clipped)
+
+
+def _ratio_metrics(live, ratio, *, clipped_high=None, clipped_low=None, dual_clipped=None):
+    """Detached masked means over this call's tokens: the clip fractions given (``clip_frac`` is their
+    union) and ``ratio_mean``, ``ratio_max`` of ``ratio`` (0 on masked tokens)."""
     n = jnp.maximum(jnp.sum(live), 1).astype(jnp.float32)
-    ratio_live = jnp.where(live, ratio, 0.0)
-    metrics = {
-        "clip_frac_high": jnp.sum(clipped_high) / n,
-        "clip_frac_low": jnp.sum(clipped_low) / n,
-        "dual_clip_frac": jnp.sum(dual_clipped) / n,
-        "clip_frac": jnp.sum(clipped_high | clipped_low | dual_clipped) / n,
-        "ratio_mean": jnp.sum(ratio_live) / n,
-        "ratio_max": jnp.max(ratio_live),
-    }
-    return loss, metrics
+    metrics = {}
+    fractions = {"clip_frac_high": clipped_high, "clip_frac_low": clipped_low, "dual_clip_frac": dual_clipped}
+    fractions = {name: live & flags for name, flags in fractions.items() if flags is not None}
+    for name, flags in fractions.items():
+        metrics[name] = jnp.sum(flags) / n
+    if fractions:
+        metrics["clip_frac"] = jnp.sum(functools.reduce(jnp.logical_or, fractions.values())) / n
+    ratio_live = jnp.where(live, jax.lax.stop_gradient(ratio), 0.0)
+    metrics["ratio_mean"] = jnp.sum(ratio_live) / n
+    metrics["ratio_max"] = jnp.max(ratio_live)
+    return metrics
 
 
 def ppo_clip_token_loss(
@@ -155,12 +165,217 @@ def gspo_token_loss(
     return _clipped_surrogate(log_ratio, advantages, mask, eps_low, eps_high, dual_clip)
 
 
+def _refuse_dual_clip(loss: str, dual_clip) -> None:
+    if dual_clip is not None:
+        raise ValueError(
+            f"dual_clip={dual_clip!r} but the {loss} policy loss has no dual clip; pass dual_clip=None "
+            f"(dual_clip applies to the policy losses {list(DUAL_CLIP_LOSSES)})"
+        )
+
+
+def cispo_token_loss(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    eps_low: float = 1.0,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """CISPO ``-sg(clip(rho, 1-eps_low, 1+eps_high)) A log pi`` (docs/losses.md#cispo; MiniMax-M1,
+    arXiv 2506.13585).
+
+    REINFORCE with a clipped, detached importance weight: with
+    ``rho_t = exp(logp_t - old_logp_t)``,
+    ``l_t = -sg[clip(rho_t, 1-eps_low, 1+eps_high)] * A_t * logp_t``, so
+    ``d l_t / d logp_t = -clip(rho_t) A_t`` for every token: a clipped token keeps
+    its gradient (at the bound's weight), unlike PPO where it loses it.
+
+    Clip bounds: two-sided ``[1-eps_low, 1+eps_high]`` for every sign of ``A``,
+    as verl's ``compute_policy_loss_cispo``. The paper clips only from above (it
+    sets the lower epsilon "to a large value"); that is ``eps_low=1.0`` (lower
+    bound 0), this function's default. ``eps_high=0.28`` is this library's
+    clip-higher default, not a value from the paper (which only says it tuned
+    eps_high). Through ``policy_token_loss`` the caller's eps are used (the
+    trainer's default 0.2 / 0.28 clips two-sided).
+
+    Args: as :func:`ppo_clip_token_loss`; ``dual_clip`` must be None (CISPO has
+      none; a value raises ValueError).
+    Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
+      masked tokens: ``clip_frac_high`` (rho > 1+eps_high, any sign of A),
+      ``clip_frac_low`` (rho < 1-eps_low), ``clip_frac`` (either: the tokens whose
+      weight is clipped; their gradient is not zero), ``ratio_mean``,
+      ``ratio_max`` (of the unclipped rho).
+    """
+    _check_token_inputs(logp, old_logp, advantages, mask)
+    _refuse_dual_clip("cispo", dual_clip)
+    _check_clip_args(eps_low, eps_high, None)
+    live = jnp.asarray(mask).astype(bool)
+    adv = jnp.where(live, jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32)), 0.0)
+    logp32 = jnp.where(live, jnp.asarray(logp, jnp.float32), 0.0)
+    ratio = jnp.exp(masked_log_ratio(jax.lax.stop_gradient(logp32), jax.lax.stop_gradient(old_logp), mask))
+    weight = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.where(live, -weight * adv * logp32, 0.0)
+    return loss, _ratio_metrics(live, ratio, clipped_high=ratio > 1.0 + eps_high, clipped_low=ratio < 1.0 - eps_low)
+
+
+def gmpo_token_loss(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    eps_low: float = 0.4,
+    eps_high: float = 0.4,
+    dual_clip: float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """GMPO ``-A_i * prod_t(clipped rho_{i,t})^(1/|y_i|)``, the geometric mean of token ratios clipped
+    token by token in log space (docs/losses.md#gmpo; Geometric-Mean Policy Optimization, arXiv 2507.20673).
+
+    With ``l_t = logp_t - old_logp_t`` and ``sgn = sign(A_t)``, each token's log
+    ratio is clipped PPO-style on the side the advantage's sign makes binding,
+    ``c_t = sgn * min(sgn * l_t, sgn * clip(l_t, -eps_low, eps_high))`` (0 where
+    ``A_t = 0``), and the sequence ratio is
+    ``s_i = exp(sum_t m_t c_t / sum_t m_t)``. The eps are LOG-space bounds: the
+    ratio range is ``(exp(-eps_low), exp(eps_high))``; the paper's is
+    ``(e^-0.4, e^0.4)``, this function's default.
+
+    Spreading to tokens: every masked token of sequence ``i`` carries the full
+    sequence loss ``-A_t s_i``, written as
+    ``l_t = -A_t * sg[s_i] * exp(c_t - sg[c_t])`` (value ``-A_t s_i``, gradient
+    through the token's own ``c_t``, the GSPO-token device). With a per-sequence
+    advantage broadcast to tokens, ``"seq-mean-token-mean"`` aggregation gives
+    exactly the paper's objective ``(1/G) sum_i -A_i s_i`` and its gradient
+    ``-A_i s_i / |y_i|`` per unclipped token (verl's ``compute_policy_loss_geo_mean``,
+    which averages over the micro-batch's sequences; here the global sequence
+    count of ``aggregation.loss_normalizer`` divides). Other modes weight sequences by
+    their length. Token-varying advantages: the value under seq-mean-token-mean
+    is verl's (which uses the sequence mean of ``A``), but each token's gradient
+    carries its own ``A_t`` (verl supports only sequence advantages).
+
+    Args: as :func:`ppo_clip_token_loss`, eps in log space (>= 0); ``dual_clip``
+      must be None (GMPO has none; a value raises ValueError).
+    Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
+      masked tokens: ``clip_frac_high`` (A>0, l_t > eps_high), ``clip_frac_low``
+      (A<0, l_t < -eps_low), ``clip_frac`` (either: the tokens with zero
+      gradient), ``ratio_mean``, ``ratio_max`` (of ``s_i`` on each masked token,
+      as GSPO's).
+    """
+    _check_token_inputs(logp, old_logp, advantages, mask)
+    _refuse_dual_clip("gmpo", dual_clip)
+    _validate.check_positive("eps_low", eps_low, allow_zero=True)
+    _validate.check_positive("eps_high", eps_high, allow_zero=True)
+    live = jnp.asarray(mask).astype(bool)
+    adv = jnp.where(live, jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32)), 0.0)
+    log_ratio = masked_log_ratio(logp, jax.lax.stop_gradient(old_logp), mask)
+    sign = jnp.sign(adv)
+    chosen = sign * jnp.minimum(sign * log_ratio, sign * jnp.clip(log_ratio, -eps_low, eps_high))
+    counts = jnp.sum(live, axis=-1, keepdims=True).astype(jnp.float32)
+    seq_ratio = jnp.exp(jnp.sum(chosen, axis=-1, keepdims=True) / jnp.maximum(counts, 1.0))
+    own = jnp.exp(chosen - jax.lax.stop_gradient(chosen))
+    loss = jnp.where(live, -adv * jax.lax.stop_gradient(seq_ratio) * own, 0.0)
+    metrics = _ratio_metrics(live, jnp.broadcast_to(seq_ratio, jnp.shape(log_ratio)),
+                             clipped_high=(adv > 0) & (log_ratio > eps_high),
+                             clipped_low=(adv < 0) & (log_ratio < -eps_low))
+    return loss, metrics
+
+
+def reinforce_token_loss(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    eps_low: float | None = None,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """REINFORCE ``-sg(A) log pi`` (docs/losses.md#reinforce-and-gpg; Williams 1992; GPG, arXiv 2504.02546).
+
+    ``l_t = -sg[A_t] * logp_t``: no ratio, no clip, so ``d l_t / d logp_t = -A_t``.
+    This is also GPG's token loss (Group Policy Gradient, arXiv 2504.02546, and
+    verl's ``compute_policy_loss_gpg``: ``-log_prob * advantages``); what sets GPG
+    apart is how it estimates the advantage (a group baseline and the paper's
+    bias correction), an advantage-estimator matter, so the loss is not
+    registered under a second name.
+    The gradient is the on-policy one whatever ``old_logp``: use it with one
+    optimizer step per batch, or accept the bias of stale samples.
+
+    Args: as :func:`ppo_clip_token_loss`. ``eps_low`` and ``eps_high`` are
+      IGNORED (accepted because :func:`policy_token_loss` always passes them);
+      ``dual_clip`` must be None (a value raises ValueError). ``old_logp`` only
+      feeds the metrics.
+    Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
+      masked tokens: ``ratio_mean``, ``ratio_max`` of ``rho = exp(logp - old_logp)``
+      (how far the policy has moved; nothing is clipped).
+    """
+    del eps_low, eps_high  # no clip: see the docstring
+    _check_token_inputs(logp, old_logp, advantages, mask)
+    _refuse_dual_clip("reinforce", dual_clip)
+    live = jnp.asarray(mask).astype(bool)
+    adv = jnp.where(live, jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32)), 0.0)
+    logp32 = jnp.where(live, jnp.asarray(logp, jnp.float32), 0.0)
+    loss = jnp.where(live, -adv * logp32, 0.0)
+    ratio = jnp.exp(masked_log_ratio(logp, old_logp, mask))
+    return loss, _ratio_metrics(live, ratio)
+
+
+def sapo_token_loss(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    eps_low: float | None = None,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[Array, dict[str, Array]]:
+    """SAPO ``-f(rho) A`` with the soft gate ``f(x) = sigmoid(tau (x - 1)) * 4 / tau`` in place of the clip
+    (docs/losses.md#sapo; Soft Adaptive Policy Optimization, arXiv 2511.20347).
+
+    ``rho_t = exp(logp_t - old_logp_t)``, ``tau_t = tau_pos`` if ``A_t > 0`` else
+    ``tau_neg``, ``l_t = -A_t * sigmoid(tau_t (rho_t - 1)) * 4 / tau_t``, so
+    ``d l_t / d logp_t = -A_t * 4 sigma (1 - sigma) rho_t``: ``-A_t`` on policy
+    (``rho = 1``) and decaying smoothly as ``rho`` leaves 1, faster for larger
+    ``tau`` (hence ``tau_neg > tau_pos``: negative updates are damped harder).
+    Defaults are the paper's and verl's (``tau_pos=1.0``, ``tau_neg=1.05``);
+    :func:`policy_token_loss` uses them. The paper's objective averages tokens
+    within a sequence, then sequences: "seq-mean-token-mean" aggregation, as verl.
+
+    Args: as :func:`ppo_clip_token_loss`. ``eps_low`` and ``eps_high`` are
+      IGNORED (the gate replaces the clip; accepted because
+      :func:`policy_token_loss` always passes them); ``dual_clip`` must be None
+      (a value raises ValueError); ``tau_pos``, ``tau_neg`` > 0.
+    Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
+      masked tokens: ``ratio_mean``, ``ratio_max`` (nothing is clipped).
+    """
+    del eps_low, eps_high  # the soft gate replaces the clip: see the docstring
+    _check_token_inputs(logp, old_logp, advantages, mask)
+    _refuse_dual_clip("sapo", dual_clip)
+    _validate.check_positive("tau_pos", tau_pos)
+    _validate.check_positive("tau_neg", tau_neg)
+    live = jnp.asarray(mask).astype(bool)
+    adv = jnp.where(live, jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32)), 0.0)
+    ratio = jnp.exp(masked_log_ratio(logp, jax.lax.stop_gradient(old_logp), mask))
+    tau = jnp.where(adv > 0, jnp.float32(tau_pos), jnp.float32(tau_neg))
+    gate = jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    loss = jnp.where(live, -adv * gate, 0.0)
+    return loss, _ratio_metrics(live, ratio)
+
+
 # Policy loss name -> its token loss, called as ``fn(logp, old_logp, advantages, mask, *, eps_low,
 # eps_high, dual_clip)``; the one declaration of the policy-loss choices.
 POLICY_LOSSES = {
     "ppo": ppo_clip_token_loss,
     "gspo": gspo_token_loss,
     "gspo-token": functools.partial(gspo_token_loss, token_gradient=True),
+    "cispo": cispo_token_loss,
+    "gmpo": gmpo_token_loss,
+    "reinforce": reinforce_token_loss,  # also GPG's token loss (see its docstring)
+    "sapo": sapo_token_loss,  # tau_pos=1.0, tau_neg=1.05 (the paper's)
 }
 
 
@@ -175,67 +390,12 @@ def policy_token_loss(
     eps_high: float,
     dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Dispatches ``kind`` in ``POLICY_LOSSES`` ("ppo", "gspo", "gspo-token") to its token loss
-    (docs/losses.md#policy-losses).
+    """Dispatches ``kind`` in ``POLICY_LOSSES`` ("ppo", "gspo", "gspo-token", "cispo", "gmpo", "reinforce",
+    "sapo") to its token loss (docs/losses.md#policy-losses).
 
-    Shapes as :func:`ppo_clip_token_loss`.
+    Shapes as :func:`ppo_clip_token_loss`. ``dual_clip`` must be None unless
+    ``kind`` is in ``DUAL_CLIP_LOSSES``; "reinforce" and "sapo" ignore the eps.
     """
     _validate.check_choice("kind", kind, POLICY_LOSSES)
     return POLICY_LOSSES[kind](logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
                                dual_clip=dual_clip)
-
-
-def loss_normalizer(mode: str, mask: Array, *, max_length: int | None = None) -> Array:
-    """The divisor of :func:`aggregate_loss` for ``mode``, computed on the GLOBAL batch mask
-    (docs/losses.md#loss-aggregation).
-
-    * "token-mean": number of masked tokens;
-    * "seq-mean-token-sum", "seq-mean-token-mean": number of sequences with at
-      least one masked token;
-    * "seq-mean-token-sum-norm" (Dr.GRPO): that sequence count times the
-      constant ``max_length`` (default ``T``, the padded length).
-
-    Args: mask ``[B, T]`` of the whole batch (all micro-batches together).
-    Returns: float32 scalar, at least 1.
-    """
-    _validate.check_choice("mode", mode, AGGREGATION_MODES)
-    _validate.check_mask("mask", mask)
-    _validate.check_rank("mask", mask, 2)
-    live = jnp.asarray(mask, jnp.float32)
-    if mode == "token-mean":
-        count = jnp.sum(live)
-    else:
-        count = jnp.sum(jnp.any(live > 0, axis=-1)).astype(jnp.float32)
-        if mode == "seq-mean-token-sum-norm":
-            length = jnp.shape(mask)[1] if max_length is None else max_length
-            _validate.check_positive("max_length", length)
-            count = count * length
-    return jnp.maximum(count, 1.0)
-
-
-def aggregate_loss(token_loss: Array, mask: Array, mode: str, normalizer: Array | float) -> Array:
-    """Reduces a ``[B, T]`` token loss to a scalar: ``sum_{b,t} m l / N`` or, for "seq-mean-token-mean",
-    ``sum_b (sum_t m l / sum_t m) / N`` (docs/losses.md#loss-aggregation).
-
-    ``normalizer`` ``N`` comes from :func:`loss_normalizer` on the global batch,
-    so the sum of this over micro-batches equals the full-batch value (and
-    gradient) for every split.
-
-    Args: token_loss float ``[B, T]``; mask ``[B, T]``; mode in
-      ``AGGREGATION_MODES``; normalizer a positive scalar.
-    Returns: float32 scalar.
-    """
-    _validate.check_choice("mode", mode, AGGREGATION_MODES)
-    _validate.check_floating("token_loss", token_loss)
-    _validate.check_mask("mask", mask)
-    _validate.check_rank("token_loss", token_loss, 2)
-    _validate.check_same_shape(token_loss=token_loss, mask=mask)
-    _validate.check_rank("normalizer", normalizer, 0)
-    live = jnp.asarray(mask).astype(bool)
-    values = jnp.where(live, jnp.asarray(token_loss, jnp.float32), 0.0)
-    if mode == "seq-mean-token-mean":
-        counts = jnp.sum(live, axis=-1).astype(jnp.float32)
-        total = jnp.sum(jnp.sum(values, axis=-1) / jnp.maximum(counts, 1.0))
-    else:
-        total = jnp.sum(values)
-    return total / jnp.asarray(normalizer, jnp.float32)

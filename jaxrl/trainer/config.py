@@ -211,6 +211,10 @@ class TrainConfig:
                 f"advantage.estimator={self.advantage.estimator!r} compares the samples of a prompt's group, "
                 f"so rollout.group_size={self.rollout.group_size} gives every sample a zero advantage and "
                 f"nothing is learned; set rollout.group_size >= 2 or use advantage.estimator=reinforce")
+        if self.advantage.estimator == "passk" and self.advantage.passk_k > self.rollout.group_size:
+            raise ValueError(
+                f"advantage.passk_k={self.advantage.passk_k} exceeds rollout.group_size={self.rollout.group_size}: "
+                f"pass@k needs k <= G samples per prompt; lower advantage.passk_k or raise rollout.group_size")
         sequences = self.rollout.prompts_per_step * self.rollout.group_size
         split = self.update.mini_batches * self.update.micro_batches
         if sequences % split:

@@ -2,7 +2,8 @@
 
 Per step k, ``train_step_once`` runs, one stage per line:
 1. **rollout**: ``prompts_per_step`` prompts from the Grain iterator, ``group_size`` samples
-   each from the rollout engine (current weights);
+   each from the rollout engine (current weights), and one greedy response per prompt when the
+   advantage estimator needs it as a baseline (ReMax);
 2. **reward**: the per-task reward functions score them; unparsable samples (and samples whose
    reward function raised) leave the gradient and their group's baseline when
    ``reward.mask_unparsable`` (Motif);
@@ -145,10 +146,15 @@ class RLTrainer:
         config, r, objective = self.config, self.config.rollout, self.config.objective
         step, clock = self.step + 1, _StageClock()
         examples = next(self.iterator)
+        greedy_scores = None
         with clock("rollout"):
             samples = self._rollout(examples, seed=_seed(config.seed, step), n=r.group_size)
+            if config.advantage.needs_greedy_baseline:
+                greedy = self._rollout(examples, seed=_seed(config.seed, step), n=1, temperature=0.0)
         with clock("reward"):
             scored, flat = self._score(examples, samples)
+            if config.advantage.needs_greedy_baseline:
+                greedy_scores = self._score(examples, greedy)[0].scores
         batch, valid = self._pack(flat, scored)
         # Bypass without a KL reference runs no learner forward here, so there is no stage to time.
         with clock("recompute", timed=not objective.bypass or self.reference is not None):
@@ -156,7 +162,7 @@ class RLTrainer:
                                                         bypass=objective.bypass)
         self._dump(step, batch)
         batch, advantage_metrics = stages.advantages(batch, scored.scores, valid, config.advantage, objective,
-                                                     r.group_size)
+                                                     r.group_size, greedy_scores)
         skip, filter_metrics = stages.batch_filter_stage(batch, objective)
         with clock("update"):
             update_metrics = self._update(batch, step, skip)

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
-from jaxrl.losses.policy import aggregate_loss
+from jaxrl.losses.aggregation import aggregate_loss
 from jaxrl.models import make_mesh, save_hf_checkpoint
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.trainer.batch import StepBatch, UpdateBatch

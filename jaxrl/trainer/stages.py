@@ -85,15 +85,20 @@ def push_gap(batch: StepBatch) -> tuple[float, int]:
 
 
 def advantages(batch: StepBatch, scores: np.ndarray, valid: np.ndarray, config: AdvantageConfig,
-               objective: ObjectiveConfig, group_size: int) -> tuple[StepBatch, dict[str, float]]:
+               objective: ObjectiveConfig, group_size: int, greedy_scores: np.ndarray | None = None
+               ) -> tuple[StepBatch, dict[str, float]]:
     """Per-token advantages (the sample's advantage on its masked tokens), after the KL penalty
-    enters the reward when ``objective.kl_in_reward_coef > 0``."""
+    enters the reward when ``objective.kl_in_reward_coef > 0``. ``greedy_scores`` (one per
+    prompt) is the baseline of "remax"; "opo" weighs its baseline by the generated lengths."""
     rewards = scores
     if objective.kl_in_reward_coef > 0:
         rewards = np.asarray(kl_in_reward(
             jnp.asarray(scores), jnp.asarray(batch.old_logp), jnp.asarray(batch.ref_logp), jnp.asarray(batch.mask),
             coef=objective.kl_in_reward_coef))
-    adv, metrics = sequence_advantages(config, rewards, valid, group_size)
+    lengths = np.asarray(batch.generated).sum(axis=1)
+    adv, metrics = sequence_advantages(config, rewards, valid, group_size, lengths=lengths, baselines=greedy_scores)
+    if greedy_scores is not None:
+        metrics["advantage/greedy_reward_mean"] = float(np.mean(greedy_scores))
     return batch.replace(advantages=adv[:, None] * batch.mask), metrics
 
 

@@ -98,12 +98,12 @@ def test_gae_against_numpy_loop_with_holes_in_mask():
     rewards = rng.normal(size=(3, 7)).astype(np.float32)
     values = rng.normal(size=(3, 7)).astype(np.float32)
     mask = np.array([[0, 1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]], bool)
-    adv, ret = adv_lib.gae_advantages(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma=0.9, lam=0.7)
+    adv, ret = losses.gae_advantages(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma=0.9, lam=0.7)
     expected = _np_gae(rewards, values, mask, 0.9, 0.7)
     np.testing.assert_allclose(adv, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ret, np.where(mask, expected + values, 0.0), rtol=1e-5, atol=1e-6)
     # gamma = lam = 1 and zero values: the advantage is the reward-to-go.
-    adv1, _ = adv_lib.gae_advantages(jnp.asarray(rewards), jnp.zeros((3, 7)), jnp.asarray(mask), gamma=1.0, lam=1.0)
+    adv1, _ = losses.gae_advantages(jnp.asarray(rewards), jnp.zeros((3, 7)), jnp.asarray(mask), gamma=1.0, lam=1.0)
     togo = np.where(mask, np.cumsum((rewards * mask)[:, ::-1], axis=1)[:, ::-1], 0.0)
     np.testing.assert_allclose(adv1, togo, rtol=1e-5, atol=1e-5)
 
@@ -131,8 +131,8 @@ def test_broadcast_and_jit():
         (lambda: adv_lib.grpo_advantages(jnp.ones((2, 3)), std_min=0.0), ["std_min"]),
         (lambda: adv_lib.grpo_advantages(jnp.ones((2, 3)), ddof=2), ["ddof"]),
         (lambda: adv_lib.grpo_advantages(jnp.ones((2, 3, 1))), ["rewards", "rank 3"]),
-        (lambda: adv_lib.gae_advantages(jnp.ones((2, 3)), jnp.ones((2, 4)), jnp.ones((2, 3))), ["values", "(2, 4)"]),
-        (lambda: adv_lib.gae_advantages(jnp.ones((2, 3)), jnp.ones((2, 3)), jnp.ones((2, 3)), gamma=1.5), ["gamma"]),
+        (lambda: losses.gae_advantages(jnp.ones((2, 3)), jnp.ones((2, 4)), jnp.ones((2, 3))), ["values", "(2, 4)"]),
+        (lambda: losses.gae_advantages(jnp.ones((2, 3)), jnp.ones((2, 3)), jnp.ones((2, 3)), gamma=1.5), ["gamma"]),
         (lambda: adv_lib.broadcast_to_tokens(jnp.ones(3), jnp.ones((2, 4))), ["sequence_values", "mask"]),
     ],
 )

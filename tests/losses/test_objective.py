@@ -187,7 +187,7 @@ def test_config_choices_are_the_registries():
     hints = typing.get_type_hints(ObjectiveConfig)
     registries = {
         "policy_loss": tuple(losses.policy.POLICY_LOSSES),
-        "aggregation": losses.policy.AGGREGATION_MODES,
+        "aggregation": losses.aggregation.AGGREGATION_MODES,
         "kl_kind": ("none",) + losses.kl.KL_REGULARIZERS,
         "entropy_control": losses.objective.ENTROPY_CONTROLS,
         "mismatch_correction": losses.objective.MISMATCH_CORRECTIONS,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl.losses import policy
+from jaxrl.losses import aggregation, policy
 
 B, T = 8, 6
 
@@ -95,8 +95,8 @@ def test_gspo_and_gspo_token_values_and_gradients():
     # Under seq-mean-token-mean the two variants give the same gradient for sequence advantages.
     def agg(kind, lp):
         tl, _ = policy.policy_token_loss(kind, lp, old, adv, mask, eps_low=eps, eps_high=eps)
-        return policy.aggregate_loss(tl, mask, "seq-mean-token-mean",
-                                     policy.loss_normalizer("seq-mean-token-mean", mask))
+        return aggregation.aggregate_loss(tl, mask, "seq-mean-token-mean",
+                                     aggregation.loss_normalizer("seq-mean-token-mean", mask))
     num_seqs = m.any(1).sum()  # d/dlogp_t of (1/S) sum_b (1/n_b) sum_t -A s_b = -A s_b / (S n_b)
     np.testing.assert_allclose(jax.grad(lambda lp: agg("gspo", lp))(logp) * n[:, None] * num_seqs,
                                expected, rtol=1e-5, atol=1e-7)
@@ -109,11 +109,11 @@ def test_masked_tokens_change_nothing(kind):
     logp, old, adv, mask = _batch(3)
     hole = np.asarray(mask) == 0
     junk = lambda x, v: jnp.where(jnp.asarray(hole), v, x)  # noqa: E731
-    kw = dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0)
+    kw = dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0 if kind in policy.DUAL_CLIP_LOSSES else None)
 
     def run(lp, ol, ad):
         (tl, metrics) = policy.policy_token_loss(kind, lp, ol, ad, mask, **kw)
-        return policy.aggregate_loss(tl, mask, "token-mean", 10.0), metrics
+        return aggregation.aggregate_loss(tl, mask, "token-mean", 10.0), metrics
 
     base_loss, base_metrics = run(logp, old, adv)
     base_grad = jax.grad(lambda lp: run(lp, old, adv)[0])(logp)
@@ -139,30 +139,30 @@ def _np_aggregate(loss, mask, mode, max_length):
     return (loss * m).sum() / (seqs * max_length)
 
 
-@pytest.mark.parametrize("mode", policy.AGGREGATION_MODES)
+@pytest.mark.parametrize("mode", aggregation.AGGREGATION_MODES)
 def test_aggregation_against_numpy(mode):
     _, _, loss, mask = _batch(4)
     expected = _np_aggregate(np.asarray(loss), np.asarray(mask), mode, 16)
     junk = jnp.where(mask > 0, loss, jnp.nan)  # whatever sits on masked tokens never reaches the loss
-    got = policy.aggregate_loss(junk, mask, mode, policy.loss_normalizer(mode, mask, max_length=16))
+    got = aggregation.aggregate_loss(junk, mask, mode, aggregation.loss_normalizer(mode, mask, max_length=16))
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", policy.POLICY_LOSSES)
 def test_micro_batch_split_gives_identical_loss_and_gradient(kind):
     logp, old, adv, mask = _batch(5)
-    modes = policy.AGGREGATION_MODES
+    modes = aggregation.AGGREGATION_MODES
 
     def losses_by_mode(lp, splits):
         """[modes] loss of the batch split into ``splits`` micro-batches, each normalised globally."""
         out = []
         for mode in modes:
-            normalizer = policy.loss_normalizer(mode, mask)  # once, on the global batch
+            normalizer = aggregation.loss_normalizer(mode, mask)  # once, on the global batch
             total = 0.0
             for idx in np.array_split(np.arange(B), splits):
                 tl, _ = policy.policy_token_loss(kind, lp[idx], old[idx], adv[idx], mask[idx],
                                                  eps_low=0.2, eps_high=0.28)
-                total = total + policy.aggregate_loss(tl, mask[idx], mode, normalizer)
+                total = total + aggregation.aggregate_loss(tl, mask[idx], mode, normalizer)
             out.append(total)
         return jnp.stack(out)
 
@@ -195,9 +195,9 @@ def test_jit_and_bfloat16_inputs_are_float32_inside():
         (lambda x: policy.ppo_clip_token_loss(x, x, x, x, eps_low=1.5), ["eps_low"]),
         (lambda x: policy.ppo_clip_token_loss(x, x, x, x, dual_clip=0.5), ["dual_clip"]),
         (lambda x: policy.policy_token_loss("ppo2", x, x, x, x, eps_low=0.2, eps_high=0.2), ["kind", "ppo2", "gspo"]),
-        (lambda x: policy.aggregate_loss(x, x, "token-sum", 1.0), ["mode", "token-sum", "token-mean"]),
-        (lambda x: policy.loss_normalizer("seq-sum", x), ["mode", "seq-sum"]),
-        (lambda x: policy.aggregate_loss(x, x, "token-mean", jnp.ones(2)), ["normalizer"]),
+        (lambda x: aggregation.aggregate_loss(x, x, "token-sum", 1.0), ["mode", "token-sum", "token-mean"]),
+        (lambda x: aggregation.loss_normalizer("seq-sum", x), ["mode", "seq-sum"]),
+        (lambda x: aggregation.aggregate_loss(x, x, "token-mean", jnp.ones(2)), ["normalizer"]),
     ],
 )
 def test_bad_input_names_the_argument(call, names):

@@ -14,6 +14,7 @@ tolerance.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,9 @@ class Run:
     opt_state_after: object = None
     rows: list = dataclasses.field(default_factory=list)
     recomputes: int = 0
+    greedy_scores: list = dataclasses.field(default_factory=list)
+    greedy: list = dataclasses.field(default_factory=list)
+    tokenizer: object = None
 
 
 def _host(tree):
@@ -65,9 +69,9 @@ def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=N
                          rollout=rollout or {}, update={"mini_batches": 2, **(update or {})},
                          optimizer={"lr": LR, "eps": EPS, "clip_norm": 0.0})
     trainer = RLTrainer(config)
-    run = Run(config, trainer.train_step.graphdef, _host(trainer.state["params"]))
+    run = Run(config, trainer.train_step.graphdef, _host(trainer.state["params"]), tokenizer=trainer.tokenizer)
     original_update, original_advantages = trainer._update, stages.advantages
-    original_scorer = trainer.scorer
+    original_scorer, original_rollout = trainer.scorer, trainer._rollout
 
     def update(batch, step, skip):
         run.batches.append(batch)
@@ -75,15 +79,22 @@ def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=N
         run.opt_state_before.append(_host(trainer.state["opt_state"]))
         return original_update(batch, step, skip)
 
-    def advantages(batch, scores, valid, *args, **kwargs):
+    def advantages(batch, scores, valid, config, objective, group_size, greedy_scores=None):
         run.scores.append((np.array(scores), np.array(valid)))
-        return original_advantages(batch, scores, valid, *args, **kwargs)
+        run.greedy_scores.append(greedy_scores)
+        return original_advantages(batch, scores, valid, config, objective, group_size, greedy_scores)
+
+    def rollout(examples, seed, n, temperature=None):
+        samples = original_rollout(examples, seed, n, temperature)
+        if temperature == 0.0:
+            run.greedy.append(([e.prompt_ids for e in examples], [group[0].output_ids for group in samples]))
+        return samples
 
     def scorer(params, *inputs):
         run.recomputes += 1
         return original_scorer(params, *inputs)
 
-    trainer._update, trainer.scorer = update, scorer
+    trainer._update, trainer.scorer, trainer._rollout = update, scorer, rollout
     monkeypatch.setattr(stages, "advantages", advantages)
     try:
         trainer.run()
@@ -172,20 +183,33 @@ def _last(run: Run, name: str) -> float:
 
 # ---------------------------------------------------------------- policy losses and clipping
 
-@pytest.mark.parametrize("objective, without", [
-    ({"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}, {"policy_loss": "ppo"}),
+# id -> (objective options, the counterfactual's changes)
+POLICY_LOSS_RUNS = {
+    "gspo": ({"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}, {"policy_loss": "ppo"}),
     # With one advantage per sequence (as the trainer's estimators give) GSPO-token's gradient is
     # GSPO's (Zheng et al. 2025, arXiv 2507.18071, sec. 4.3), so its counterfactual is PPO.
-    ({"policy_loss": "gspo-token", "eps_low": 3e-4, "eps_high": 4e-4}, {"policy_loss": "ppo"}),
-    ({"eps_low": 0.01, "eps_high": 0.01}, {"eps_low": 0.2, "eps_high": 0.28}),
-    ({"aggregation": "seq-mean-token-mean"}, {"aggregation": "token-mean"}),
-    ({"aggregation": "seq-mean-token-sum-norm"}, {"aggregation": "token-mean"}),
-], ids=["gspo", "gspo-token", "tight-clip", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+    "gspo-token": ({"policy_loss": "gspo-token", "eps_low": 3e-4, "eps_high": 4e-4}, {"policy_loss": "ppo"}),
+    "tight-clip": ({"eps_low": 0.01, "eps_high": 0.01}, {"eps_low": 0.2, "eps_high": 0.28}),
+    "cispo": ({"policy_loss": "cispo", "eps_low": 0.01, "eps_high": 0.01}, {"policy_loss": "ppo"}),
+    "gmpo": ({"policy_loss": "gmpo", "eps_low": 0.01, "eps_high": 0.01}, {"policy_loss": "ppo"}),
+    "reinforce": ({"policy_loss": "reinforce"}, {"policy_loss": "ppo", "eps_low": 0.01, "eps_high": 0.01}),
+    "sapo": ({"policy_loss": "sapo"}, {"policy_loss": "ppo", "eps_low": 0.01, "eps_high": 0.01}),
+    "seq-mean-token-mean": ({"aggregation": "seq-mean-token-mean"}, {"aggregation": "token-mean"}),
+    "seq-mean-token-sum-norm": ({"aggregation": "seq-mean-token-sum-norm"}, {"aggregation": "token-mean"}),
+}
+
+
+@pytest.mark.parametrize("objective, without", list(POLICY_LOSS_RUNS.values()), ids=list(POLICY_LOSS_RUNS))
 def test_policy_loss_options_update_as_the_library_does(files, tmp_path, monkeypatch, objective, without):
     run = _run(files, tmp_path, monkeypatch, objective=objective)
     _assert_update_is_the_library_step(run, without)
     if "eps_low" in objective:  # the clip bites on the second mini-batch's moved policy
         assert _last(run, "update/clip_frac") > 0
+
+
+def test_every_policy_loss_is_tested_through_the_trainer():
+    tested = {"ppo"} | {objective.get("policy_loss") for objective, _ in POLICY_LOSS_RUNS.values()} - {None}
+    assert tested == set(losses.POLICY_LOSSES)
 
 
 def test_dual_clip_bounds_negative_advantage_ratios(files, tmp_path, monkeypatch):
@@ -334,7 +358,8 @@ def test_entropy_bonus_raises_the_step_towards_higher_entropy(files, tmp_path, m
 
 # ---------------------------------------------------------------- advantage estimators
 
-def _expected_advantages(estimator: str, scores: np.ndarray, group_size: int, std_min: float) -> np.ndarray:
+def _expected_advantages(estimator: str, scores: np.ndarray, group_size: int, std_min: float, *,
+                         lengths: np.ndarray, greedy: np.ndarray | None, passk_k: int) -> np.ndarray:
     """Closed forms (docs/losses.md#advantage-estimators) in numpy, every sample valid; the
     batch-normalised estimators keep their own tiny std floor (1e-6, population std)."""
     groups = scores.reshape(-1, group_size).astype(np.float64)
@@ -347,21 +372,73 @@ def _expected_advantages(estimator: str, scores: np.ndarray, group_size: int, st
         out = centred * group_size / (group_size - 1)
     elif estimator == "reinforce":
         out = (groups - groups.mean()) / max(groups.std(), 1e-6)
-    else:  # reinforce_pp_baseline
+    elif estimator == "reinforce_pp_baseline":
         out = (centred - centred.mean()) / max(centred.std(), 1e-6)
+    elif estimator == "opo":  # the length-weighted group mean as the baseline
+        weights = lengths.reshape(groups.shape).astype(np.float64)
+        out = groups - (weights * groups).sum(axis=1, keepdims=True) / weights.sum(axis=1, keepdims=True)
+    elif estimator == "remax":  # minus the greedy response's reward
+        out = groups - greedy.reshape(-1, 1)
+    elif estimator == "grpo_passk":  # only a unique best response learns: (best - second) / std
+        out = np.zeros_like(groups)
+        for g, r in enumerate(groups):
+            order = np.argsort(-r)
+            if r[order[0]] > r[order[1]]:
+                out[g, order[0]] = (r[order[0]] - r[order[1]]) / max(r.std(ddof=1), std_min)
+    else:  # passk (Pass@k Training): analytic advantages, a sample is correct when r > 0.5
+        out = np.zeros_like(groups)
+        n, k = group_size, passk_k
+        for g, r in enumerate(groups):
+            c = int((r > 0.5).sum())
+            mean = 1 - math.comb(n - c, k) / math.comb(n, k)
+            std = math.sqrt(mean * (1 - mean))
+            if std > 0:
+                negative = 1 - mean - math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1)
+                out[g] = np.where(r > 0.5, (1 - mean) / std, negative / std)
     return out.reshape(-1)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline"])
+ESTIMATOR_OPTIONS = {"grpo": {}, "dr_grpo": {}, "rloo": {}, "reinforce": {}, "reinforce_pp_baseline": {}, "opo": {},
+                     "remax": {}, "grpo_passk": {}, "passk": {"passk_k": 2}}
+
+
+def test_every_estimator_is_tested_through_the_trainer():
+    assert set(ESTIMATOR_OPTIONS) == set(losses.ADVANTAGE_ESTIMATORS)
+
+
+def _greedy_continuation(run: Run, prompt, length: int) -> list[int]:
+    """Argmax decoding with the initial model's full forward, token by token (no KV cache)."""
+    model = nnx.merge(run.graphdef, jax.tree.map(jnp.asarray, run.initial))
+    tokens = [int(t) for t in prompt]
+    for _ in range(length):
+        ids = jnp.asarray([tokens], jnp.int32)
+        positions = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+        hidden = model(ids, positions, jnp.ones_like(ids)).hidden[0, -1]
+        tokens.append(int(jnp.argmax(hidden @ model.lm_head_weight())))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATOR_OPTIONS))
 def test_advantage_estimator_reaches_the_update(files, tmp_path, monkeypatch, estimator):
-    run = _run(files, tmp_path, monkeypatch, advantage={"estimator": estimator})
+    run = _run(files, tmp_path, monkeypatch, advantage={"estimator": estimator, **ESTIMATOR_OPTIONS[estimator]})
     batch, (scores, valid) = run.batches[0], run.scores[0]
     assert valid.all() and np.ptp(scores) > 0
-    fn = losses.ADVANTAGE_ESTIMATORS[estimator]
-    kwargs = {"group_size": run.config.rollout.group_size} if estimator in losses.advantages.GROUPED_ESTIMATORS else {}
-    library, _ = fn(jnp.asarray(scores, jnp.float32), **kwargs)
-    expected = _expected_advantages(estimator, scores, run.config.rollout.group_size, run.config.advantage.std_min)
-    np.testing.assert_allclose(np.asarray(library), expected, atol=1e-5)
+    greedy = run.greedy_scores[0]
+    if estimator == "remax":  # the baseline is the reward of the model's own greedy response
+        prompts, outputs = run.greedy[0]
+        assert len(outputs) == run.config.rollout.prompts_per_step
+        for prompt, output, reward in zip(prompts, outputs, greedy, strict=True):
+            assert list(output) == _greedy_continuation(run, prompt, len(output))[:len(output)]
+            response = run.tokenizer.decode(output, skip_special_tokens=True)
+            assert reward == pytest.approx(test_loop.digit_reward("", response, output, {}).score)
+        assert run.rows[0]["advantage/greedy_reward_mean"] == pytest.approx(float(np.mean(greedy)))
+    else:
+        assert greedy is None and not run.greedy
+    lengths = np.asarray(batch.generated).sum(axis=1)
+    a = run.config.advantage
+    expected = _expected_advantages(estimator, scores, run.config.rollout.group_size, a.std_min, lengths=lengths,
+                                    greedy=None if greedy is None else np.asarray(greedy), passk_k=a.passk_k)
+    assert np.max(np.abs(expected)) > 0
     mask = np.asarray(batch.mask)
-    np.testing.assert_allclose(np.asarray(batch.advantages), np.asarray(library)[:, None] * mask, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(batch.advantages), expected[:, None] * mask, atol=1e-5)
     _assert_update_is_the_library_step(run)

@@ -1,0 +1,63 @@
+"""Generalised advantage estimation over generated tokens, for PPO with a critic
+(docs/losses.md#gae-with-a-critic)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.losses import _validate
+
+Array = jax.Array
+
+
+def gae_advantages(
+    token_rewards: Array,
+    values: Array,
+    mask: Array,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[Array, Array]:
+    """GAE: ``A_t = sum_l (gamma*lam)^l delta_{t+l}``, ``delta_t = r_t + gamma V_{t+1} - V_t``
+    (docs/losses.md#gae-with-a-critic, PPO with a critic).
+
+    Masked-out positions (prompt, padding, tool/environment tokens) are skipped:
+    the "next" step of a generated token is the next generated token of the same
+    sequence, and the sequence ends after its last generated token (V = 0 past
+    the end). Rewards and values at masked positions are ignored, so put each
+    reward on a generated token (usually the last one).
+
+    Args:
+      token_rewards: float ``[B, T]``.
+      values: float ``[B, T]``, the critic's value of each position.
+      mask: bool/0-1 ``[B, T]``.
+      gamma, lam: discount and GAE lambda, in [0, 1].
+    Returns:
+      (advantages, returns), float32 ``[B, T]``, zero at masked positions;
+      ``returns = advantages + values`` on generated tokens (the critic target).
+    """
+    _validate.check_floating("token_rewards", token_rewards)
+    _validate.check_floating("values", values)
+    _validate.check_mask("mask", mask)
+    _validate.check_rank("token_rewards", token_rewards, 2)
+    _validate.check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
+    _validate.check_interval("gamma", gamma, 0.0, 1.0)
+    _validate.check_interval("lam", lam, 0.0, 1.0)
+    rewards = jnp.asarray(token_rewards, jnp.float32)
+    values = jnp.asarray(values, jnp.float32)
+    live = jnp.asarray(mask).astype(bool)
+
+    def step(carry, xs):
+        next_value, next_adv = carry
+        r, v, m = xs
+        delta = r + gamma * next_value - v
+        adv = delta + gamma * lam * next_adv
+        carry = (jnp.where(m, v, next_value), jnp.where(m, adv, next_adv))
+        return carry, jnp.where(m, adv, 0.0)
+
+    zeros = jnp.zeros(rewards.shape[0], jnp.float32)
+    _, adv_t = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, live.T), reverse=True)
+    adv = adv_t.T
+    returns = jnp.where(live, adv + values, 0.0)
+    return adv, returns
