@@ -16,12 +16,24 @@ header); a test that uses it runs with ``JAXRL_SGLANG_API_KEY`` set to that key,
 import concurrent.futures
 import os
 import secrets
+import shutil
 import socket
+import tempfile
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, shared with the subprocesses tests start (a
+# resumed run, the CLI): the tiny trainers of many tests compile the same programs again.
+_XLA_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-xla-cache-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 def _free_base_port(count: int, first: int = 31200) -> int:

@@ -200,7 +200,7 @@ def test_shipped_configs_load_and_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"unknown key rollout.group_sizes .*allowed keys: .*'group_size'"):
         load_config(TrainConfig, demo, ["rollout.group_sizes=4"])
     with pytest.raises(ConfigError, match=r"objective.policy_loss: 'grpo' is not allowed; allowed values: "
-                                          r"\['ppo', 'gspo', 'gspo-token'\]"):
+                                          r"\['ppo', 'gspo', 'gspo-token', 'cispo', 'gmpo', 'reinforce', 'sapo'\]"):
         load_config(TrainConfig, demo, ["objective.policy_loss=grpo"])
     with pytest.raises(ConfigError, match=r"rollout.group_size: expected an integer, got 'eight'"):
         load_config(TrainConfig, demo, ["rollout.group_size=eight"])
