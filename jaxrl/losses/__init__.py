@@ -42,6 +42,7 @@ from jaxrl.losses.entropy import (
 )
 from jaxrl.losses.kl import (
     KL_REGULARIZERS,
+    kl_abs,
     kl_as_loss,
     kl_coefficient,
     kl_in_reward,
@@ -51,6 +52,7 @@ from jaxrl.losses.kl import (
     kl_off_policy_token_loss,
 )
 from jaxrl.losses.corrections import geo_rs, sequence_mis, sequence_tis, token_mis, token_tis
+from jaxrl.losses.corrections import batch_normalize_is_weights, combine_corrections, sequence_kl_rs
 from jaxrl.losses.mismatch import (
     DEFAULT_PROB_EDGES,
     batch_filter,
@@ -60,7 +62,7 @@ from jaxrl.losses.mismatch import (
 )
 from jaxrl.losses.mismatch import sequence_log_ratio as mismatch_sequence_log_ratio
 from jaxrl.losses.mismatch import token_log_ratio as mismatch_token_log_ratio
-from jaxrl.losses.objective import ObjectiveConfig, entropy_control_selection, rl_objective
+from jaxrl.losses.objective import ObjectiveConfig, entropy_control_selection, is_batch_mean, rl_objective
 from jaxrl.losses.policy import (
     DUAL_CLIP_LOSSES,
     POLICY_LOSSES,
@@ -76,17 +78,18 @@ from jaxrl.losses.policy import (
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "AdvantageConfig", "DEFAULT_PROB_EDGES", "EntropyLawFit",
-    "KL_REGULARIZERS", "ObjectiveConfig", "POLICY_LOSSES", "advantages", "aggregate_loss", "batch_filter",
-    "broadcast_to_tokens", "centered_cov", "clip_cov_mask", "corrections", "dr_grpo_advantages", "entropy",
-    "entropy_bonus", "entropy_control_selection", "fit_entropy_law", "gae_advantages", "geo_rs", "grpo_advantages",
-    "gspo_log_ratio", "gspo_token_loss", "kl", "kl_as_loss", "kl_coefficient", "kl_cov_gap_penalty", "kl_cov_penalty",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "AdvantageConfig", "DEFAULT_PROB_EDGES", "DUAL_CLIP_LOSSES",
+    "EntropyLawFit", "KL_REGULARIZERS", "ObjectiveConfig", "POLICY_LOSSES", "advantages", "aggregate_loss",
+    "aggregation", "batch_filter", "batch_normalize_is_weights", "broadcast_to_tokens", "centered_cov",
+    "cispo_token_loss", "clip_cov_mask", "combine_corrections", "corrections", "dr_grpo_advantages", "entropy",
+    "entropy_bonus", "entropy_control_selection", "fit_entropy_law", "gae", "gae_advantages", "geo_rs",
+    "gmpo_token_loss", "grpo_advantages", "grpo_passk_advantages", "gspo_log_ratio", "gspo_token_loss",
+    "is_batch_mean", "kl", "kl_abs", "kl_as_loss", "kl_coefficient", "kl_cov_gap_penalty", "kl_cov_penalty",
     "kl_cov_select", "kl_in_reward", "kl_k1", "kl_k2", "kl_k3", "kl_off_policy_token_loss", "loss_normalizer",
-    "masked_log_ratio", "mismatch", "mismatch_metrics", "mismatch_metrics_by_rollout_prob", "mismatch_metrics_by_turn",
-    "mismatch_sequence_log_ratio", "mismatch_token_log_ratio", "objective", "policy", "policy_token_loss",
-    "ppo_clip_token_loss", "reinforce_advantages", "reinforce_pp_baseline_advantages", "rl_objective",
-    "rloo_advantages", "sequence_advantages", "sequence_mis", "sequence_tis", "token_entropy_from_logits",
-    "token_logprobs_from_logits", "token_mis", "token_tis",
-    "aggregation", "gae", "grpo_passk_advantages", "opo_advantages", "passk", "passk_advantages", "remax_advantages",
-    "DUAL_CLIP_LOSSES", "cispo_token_loss", "gmpo_token_loss", "reinforce_token_loss", "sapo_token_loss",
+    "masked_log_ratio", "mismatch", "mismatch_metrics", "mismatch_metrics_by_rollout_prob",
+    "mismatch_metrics_by_turn", "mismatch_sequence_log_ratio", "mismatch_token_log_ratio", "objective",
+    "opo_advantages", "passk", "passk_advantages", "policy", "policy_token_loss", "ppo_clip_token_loss",
+    "reinforce_advantages", "reinforce_pp_baseline_advantages", "reinforce_token_loss", "remax_advantages",
+    "rl_objective", "rloo_advantages", "sapo_token_loss", "sequence_advantages", "sequence_kl_rs", "sequence_mis",
+    "sequence_tis", "token_entropy_from_logits", "token_logprobs_from_logits", "token_mis", "token_tis",
 ]

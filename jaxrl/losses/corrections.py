@@ -14,6 +14,11 @@ multiplies the policy-gradient term, the tokens still used, and the fraction
 of tokens and sequences the correction clipped or masked. Bypass (Ring-Linear
 eq. 5) needs no function: pass ``rollout_logp`` as ``old_logp`` to the policy
 loss.
+
+Corrections are IS weights (``IS_WEIGHTS``: token / sequence TIS) or
+rejections (``REJECTIONS``: token / sequence MIS, Geo-RS, sequence k2/k3
+rejection); :func:`combine_corrections` multiplies one of each, and
+:func:`batch_normalize_is_weights` rescales any weight to batch mean 1.
 """
 
 from __future__ import annotations
@@ -23,10 +28,24 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxrl.losses._validate import check_ordered, check_positive
+from jaxrl.losses._validate import (
+    check_choice,
+    check_floating,
+    check_mask,
+    check_ordered,
+    check_positive,
+    check_rank,
+    check_same_shape,
+)
 from jaxrl.losses.mismatch import _f32, _safe_div, sequence_log_ratio, token_log_ratio
 
-__all__ = ["token_tis", "sequence_tis", "token_mis", "sequence_mis", "geo_rs"]
+__all__ = ["token_tis", "sequence_tis", "token_mis", "sequence_mis", "geo_rs", "sequence_kl_rs",
+           "batch_normalize_is_weights", "combine_corrections", "IS_WEIGHTS", "REJECTIONS",
+           "KL_RS_ESTIMATORS", "KL_RS_AGGREGATES", "IS_NORMALIZE_LEVELS"]
+
+KL_RS_ESTIMATORS = ("k2", "k3")
+KL_RS_AGGREGATES = ("sum", "mean", "max")
+IS_NORMALIZE_LEVELS = ("token", "sequence")
 
 
 # --------------------------------------------------------------------------- #
@@ -125,12 +144,21 @@ def token_mis(
 
 
 def sequence_mis(
-    old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array, *, cap: float = 2.0
+    old_logp: jax.Array,
+    rollout_logp: jax.Array,
+    mask: jax.Array,
+    *,
+    cap: float = 2.0,
+    lower: float | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Sequence masked IS: ``w = exp(log_r) * 1[exp(log_r) <= cap]`` on every token
+    """Sequence masked IS: ``w = exp(log_r) * 1[lower <= exp(log_r) <= cap]`` on every token
     (docs/losses.md#mismatch-corrections).
 
-    One-sided as in the blog (a small ratio only shrinks the update).
+    One-sided by default, as in the blog (a small ratio only shrinks the
+    update): ``lower=None`` rejects only above ``cap``. A ``lower`` in
+    ``(0, cap]`` also rejects sequences whose ratio is below it, a two-sided
+    trust region (verl's "seq_sum_k1" rejection bounds ``exp(-log_r)``, i.e.
+    its ``"a_b"`` is ``lower=1/b, cap=1/a`` here).
 
     Returns:
       ``(weight [B, T] float32 detached, keep [B, T] bool, metrics)``; metrics:
@@ -138,9 +166,15 @@ def sequence_mis(
       ``seq_mis_weight_mean`` (over the tokens kept).
     """
     check_positive("cap", cap)
+    if lower is not None:
+        check_positive("lower", lower)
+        check_ordered("lower", lower, "cap", cap)
     seq_log_r, _ = sequence_log_ratio(old_logp, rollout_logp, mask)
     valid = mask.astype(bool)
-    rejected = jnp.broadcast_to((seq_log_r > math.log(cap))[:, None], valid.shape)
+    out = seq_log_r > math.log(cap)
+    if lower is not None:
+        out = out | (seq_log_r < math.log(lower))
+    rejected = jnp.broadcast_to(out[:, None], valid.shape)
     keep = valid & ~rejected
     weight = jnp.where(keep, jnp.exp(jnp.minimum(seq_log_r, math.log(cap)))[:, None], 0.0)
     metrics = _affected_fractions("seq_mis_masked", rejected, valid)
@@ -182,3 +216,146 @@ def geo_rs(
     metrics["geo_rs_log_rho_geo_mean"] = _safe_div(
         jnp.sum(jnp.where(has_tokens, log_rho_geo, 0.0)), jnp.sum(has_tokens).astype(_f32))
     return keep.astype(_f32), keep, metrics
+
+
+def sequence_kl_rs(
+    old_logp: jax.Array,
+    rollout_logp: jax.Array,
+    mask: jax.Array,
+    *,
+    estimator: str = "k3",
+    aggregate: str = "mean",
+    threshold: float = 0.01,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Sequence KL rejection: reject sequence ``i`` iff ``agg_t k(log_r_t) > threshold`` over its masked tokens
+    (docs/losses.md#mismatch-corrections; verl ``rollout_corr_helper.compute_rollout_rejection_mask``,
+    options "seq_{sum,mean,max}_k{2,3}").
+
+    ``k2 = (log_r_t)^2 / 2`` and ``k3 = exp(log_r_t) - 1 - log_r_t``, the
+    per-token estimators of KL(rollout || learner) that ``mismatch`` reports;
+    ``agg`` is the sum, the mean (over the sequence's masked tokens) or the
+    max. Pure rejection, as :func:`geo_rs`: kept tokens get weight 1. verl
+    clips ``log_r_t`` to [-20, 20] first; here k is exact (an overflow is
+    +inf, which rejects). The defaults are verl's k3-RS preset ("seq_mean_k3",
+    0.01); the sum and the max need their own threshold.
+
+    Args:
+      old_logp, rollout_logp: ``[B, T]`` float; mask: ``[B, T]`` bool/0-1.
+      estimator: "k2" | "k3"; aggregate: "sum" | "mean" | "max";
+      threshold: > 0, the largest aggregate kept.
+    Returns:
+      ``(weight [B, T] float32 (1 kept, 0 rejected or off mask), keep [B, T] bool, metrics)``;
+      metrics: ``seq_kl_rs_masked_token_frac``, ``seq_kl_rs_masked_seq_frac``,
+      ``seq_kl_rs_value_mean`` (mean of the aggregate over sequences with tokens).
+    """
+    check_choice("estimator", estimator, KL_RS_ESTIMATORS)
+    check_choice("aggregate", aggregate, KL_RS_AGGREGATES)
+    check_positive("threshold", threshold)
+    log_r = token_log_ratio(old_logp, rollout_logp, mask)
+    valid = mask.astype(bool)
+    per_token = 0.5 * log_r**2 if estimator == "k2" else jnp.expm1(log_r) - log_r
+    per_token = jnp.where(valid, per_token, 0.0)
+    num_tokens = jnp.sum(valid, axis=-1)
+    has_tokens = num_tokens > 0
+    if aggregate == "sum":
+        value = jnp.sum(per_token, axis=-1)
+    elif aggregate == "mean":
+        value = _safe_div(jnp.sum(per_token, axis=-1), num_tokens.astype(_f32))
+    else:
+        value = jnp.where(has_tokens, jnp.max(jnp.where(valid, per_token, -jnp.inf), axis=-1), 0.0)
+    rejected = jnp.broadcast_to((value > threshold)[:, None], valid.shape)
+    keep = valid & ~rejected
+    metrics = _affected_fractions("seq_kl_rs_masked", rejected, valid)
+    metrics["seq_kl_rs_value_mean"] = _safe_div(
+        jnp.sum(jnp.where(has_tokens, value, 0.0)), jnp.sum(has_tokens).astype(_f32))
+    return keep.astype(_f32), keep, metrics
+
+
+def batch_normalize_is_weights(
+    weight: jax.Array,
+    mask: jax.Array,
+    *,
+    level: str = "token",
+    batch_mean: jax.Array | float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """IS weight batch normalisation: ``w / mean(w)`` so the weights average 1 over the batch
+    (docs/losses.md#mismatch-corrections; verl ``compute_rollout_correction_weights`` with
+    ``rollout_is_batch_normalize``).
+
+    * "token" (for token-level weights): ``mean = sum_{i,t} m w / sum_{i,t} m``;
+    * "sequence" (for sequence-level weights): ``mean = mean_i (sum_t m w / sum_t m)``
+      over the sequences with masked tokens, so each sequence counts once
+      whatever its length.
+
+    As verl, the weights are left unchanged (factor 1) when ``mean <= 1e-8``.
+    The mean is a statistic of the batch: with micro-batches, call this once on
+    the optimizer step's whole batch and pass its ``is_batch_norm_factor``
+    to each micro-batch's call as ``batch_mean``.
+
+    Args:
+      weight: ``[B, T]`` float, e.g. the weight of any correction (detached here).
+      mask: ``[B, T]`` bool/0-1: the tokens the mean runs over (the correction's ``keep``).
+      level: "token" | "sequence".
+      batch_mean: a precomputed mean (scalar) to divide by instead of this batch's.
+    Returns:
+      ``(weight [B, T] float32 detached, 0 off mask; metrics)``; metrics:
+      ``is_batch_norm_factor`` (the divisor used).
+    """
+    check_floating("weight", weight)
+    check_mask("mask", mask)
+    check_rank("weight", weight, 2)
+    check_same_shape(weight=weight, mask=mask)
+    check_choice("level", level, IS_NORMALIZE_LEVELS)
+    live = mask.astype(bool)
+    w = jnp.where(live, jax.lax.stop_gradient(weight).astype(_f32), 0.0)
+    if batch_mean is None:
+        count = jnp.sum(live, axis=-1).astype(_f32)
+        if level == "token":
+            mean = _safe_div(jnp.sum(w), jnp.sum(count))
+        else:
+            has_tokens = count > 0
+            mean = _safe_div(jnp.sum(_safe_div(jnp.sum(w, axis=-1), count)), jnp.sum(has_tokens).astype(_f32))
+    else:
+        mean = jnp.asarray(batch_mean, _f32)
+    factor = jnp.where(mean > 1e-8, mean, 1.0)
+    return w / factor, {"is_batch_norm_factor": factor}
+
+
+def combine_corrections(
+    is_correction: tuple[jax.Array, jax.Array, dict[str, jax.Array]],
+    rejection: tuple[jax.Array, jax.Array, dict[str, jax.Array]],
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """One IS weight times one rejection: ``w = w_IS * 1[keep_IS & keep_RS]``
+    (docs/losses.md#mismatch-corrections; verl ``compute_rollout_correction_and_rejection_mask``).
+
+    Only the rejection's ``keep`` is used, not its weight: token / sequence
+    MIS used as a rejection here drops what it would mask but does not
+    reweight (the IS correction does). E.g. seq-TIS + Geo-RS is verl's
+    "decoupled_geo_rs_seq_tis" preset, seq-TIS + seq-k3-RS its "decoupled_k3_rs_seq_tis".
+
+    Args:
+      is_correction: ``(weight, keep, metrics)`` of an IS weight (``IS_WEIGHTS``:
+        :func:`token_tis`, :func:`sequence_tis`).
+      rejection: ``(weight, keep, metrics)`` of a rejection (``REJECTIONS``:
+        :func:`token_mis`, :func:`sequence_mis`, :func:`geo_rs`, :func:`sequence_kl_rs`).
+    Returns:
+      ``(weight [B, T] float32 detached, keep [B, T] bool, metrics)``: both
+      corrections' metrics (their names do not overlap) and
+      ``correction_weight_mean`` (over the tokens kept).
+    """
+    is_weight, is_keep, is_metrics = is_correction
+    _, rs_keep, rs_metrics = rejection
+    check_same_shape(is_weight=is_weight, is_keep=is_keep, rejection_keep=rs_keep)
+    clash = sorted(set(is_metrics) & set(rs_metrics))
+    if clash:
+        raise ValueError(f"is_correction and rejection both report {clash}; combine two different corrections "
+                         "(one IS weight, one rejection)")
+    keep = jnp.asarray(is_keep).astype(bool) & jnp.asarray(rs_keep).astype(bool)
+    weight = jnp.where(keep, jax.lax.stop_gradient(is_weight).astype(_f32), 0.0)
+    metrics = {**is_metrics, **rs_metrics}
+    metrics.update(_weight_mean("correction", weight, keep))
+    return weight, keep, metrics
+
+
+IS_WEIGHTS = (token_tis, sequence_tis)  # the corrections that reweight every token they keep
+REJECTIONS = (token_mis, sequence_mis, geo_rs, sequence_kl_rs)  # the corrections that drop tokens or sequences

@@ -12,11 +12,15 @@ kind             c                          note
 "k3-as-loss"     ``1 - delta``              GRPO; biased first-order surrogate
 "k1-as-loss"     ``1``                      zero-mean noise: warns when used
 "minimax"        ``pi - pi_ref``            MiniMax-01 MSE, bounded in [-1, 1]
+"abs-as-loss"    ``sign(log(pi / pi_ref))`` verl "abs"; 0 where pi = pi_ref
+"k3+-as-loss"    ``log(pi / pi_ref)``       verl "k3+": k3's value, k2's gradient
 ===============  =========================  ===================================
 
-As-loss forms are only correct on-policy; :func:`kl_off_policy_token_loss`
-applies appendix G's correction. Everything is float32 and elementwise over
-``[B, T]`` tokens (``vmap``-free: broadcasting does it).
+The k3 kinds take an optional ``clamp`` (verl's low_var_kl clamp, off by
+default). As-loss forms are only correct on-policy;
+:func:`kl_off_policy_token_loss` applies appendix G's correction. Everything
+is float32 and elementwise over ``[B, T]`` tokens (``vmap``-free:
+broadcasting does it).
 """
 
 from __future__ import annotations
@@ -31,8 +35,6 @@ from jaxrl.losses import policy
 
 Array = jax.Array
 
-KL_REGULARIZERS = ("k1-in-reward", "k2-as-loss", "k3-as-loss", "k1-as-loss", "minimax")
-AS_LOSS_KINDS = ("k2-as-loss", "k3-as-loss", "k1-as-loss", "minimax")
 K1_AS_LOSS_WARNING = (
     "KL kind 'k1-as-loss' does not regularise: its gradient is independent of ref_logp and has "
     "zero mean under the sampling policy, so it only adds noise (Rethinking-KL section 5); "
@@ -47,6 +49,29 @@ def _log_delta(logp: Array, ref_logp: Array) -> Array:
     return jnp.asarray(ref_logp, jnp.float32) - jnp.asarray(logp, jnp.float32)
 
 
+def _k3(log_delta: Array, clamp: float | None) -> Array:
+    """``delta - 1 - log_delta``, optionally clipped to ``[-clamp, clamp]`` with zero gradient outside."""
+    if clamp is None:
+        return jnp.expm1(log_delta) - log_delta
+    value = jax.lax.stop_gradient(jnp.expm1(log_delta) - log_delta)
+    inside = jnp.abs(value) <= clamp  # inclusive, as torch.clamp's gradient
+    # Outliers are replaced before expm1: their zero gradient must not meet an
+    # overflowed exp (0 * inf = nan), and jnp.clip would give 1/2 at the edge.
+    safe = jnp.where(inside, log_delta, 0.0)
+    return jnp.where(inside, jnp.expm1(safe) - safe, jnp.clip(value, -clamp, clamp))
+
+
+def _check_clamp(clamp: float | None, kind: str | None = None) -> None:
+    if clamp is None:
+        return
+    if isinstance(clamp, bool) or not isinstance(clamp, (int, float)):
+        raise ValueError(f"clamp={clamp!r} but a number > 0 (verl uses 10.0) or None was expected")
+    _validate.check_positive("clamp", clamp)
+    if kind is not None and kind not in CLAMP_KINDS:
+        raise ValueError(f"clamp={clamp!r} applies only to kind in {list(CLAMP_KINDS)} but kind={kind!r}; "
+                         "pass clamp=None")
+
+
 def kl_k1(logp: Array, ref_logp: Array) -> Array:
     """``k1 = -log_delta = logp - ref_logp`` (docs/losses.md#kl-value-estimators): unbiased, can be negative.
     Float ``[...]`` -> float32 ``[...]``."""
@@ -59,33 +84,126 @@ def kl_k2(logp: Array, ref_logp: Array) -> Array:
     return 0.5 * _log_delta(logp, ref_logp) ** 2
 
 
-def kl_k3(logp: Array, ref_logp: Array) -> Array:
+def kl_k3(logp: Array, ref_logp: Array, *, clamp: float | None = None) -> Array:
     """``k3 = delta - 1 - log_delta`` (docs/losses.md#kl-value-estimators): unbiased, >= 0, infinite variance when
-    pi_ref is much wider. Float ``[...]`` -> float32 ``[...]``."""
-    log_delta = _log_delta(logp, ref_logp)
-    return jnp.expm1(log_delta) - log_delta
+    pi_ref is much wider. Float ``[...]`` -> float32 ``[...]``.
+
+    ``clamp``: clip k3 to ``[-clamp, clamp]`` (verl ``kl_penalty_forward``'s
+    "low_var_kl" clamps to [-10, 10]); tokens outside get zero gradient. Off
+    by default: clipping biases the estimate low (k3 is unbiased only
+    unclipped) and silences exactly the outlier tokens that are furthest from
+    the reference, which a regulariser should pull hardest. verl clamps "for
+    numerical stability" (bf16 log-probabilities, where ``exp`` of a large
+    ``log_delta`` overflows early); this float32 ``expm1`` overflows only for
+    ``pi_ref / pi > e^88``. With a clamp, such tokens get the value ``clamp``
+    and a zero (finite) gradient.
+    """
+    _check_clamp(clamp)
+    return _k3(_log_delta(logp, ref_logp), clamp)
 
 
-def kl_coefficient(kind: str, logp: Array, ref_logp: Array) -> Array:
+def kl_abs(logp: Array, ref_logp: Array) -> Array:
+    """``|logp - ref_logp| = |log_delta|`` (verl ``kl_penalty_forward`` "abs"): biased upwards, >= 0.
+    Float ``[...]`` -> float32 ``[...]``.
+
+    Its gradient with respect to ``logp`` is ``sign(logp - ref_logp)``, 0
+    where they are equal (as torch's ``abs``; ``jnp.abs`` would give 1 there,
+    which at initialisation, policy = reference, pushes every token down).
+    """
+    k1 = -_log_delta(logp, ref_logp)
+    return k1 * jnp.sign(jax.lax.stop_gradient(k1))
+
+
+# Per-kind (coefficient, as-loss term or None for an in-reward kind). Each takes
+# float32 ``logp`` (may carry gradient), ``ref_logp`` and ``clamp``, validated
+# and with masked tokens already replaced; the coefficient gets ``sg(logp)``.
+def _c_log_ratio(logp, ref, clamp):
+    return logp - ref
+
+
+def _c_k3(logp, ref, clamp):
+    log_delta = ref - logp
+    c = -jnp.expm1(log_delta)
+    if clamp is None:
+        return c
+    return jnp.where(jnp.abs(jnp.expm1(log_delta) - log_delta) <= clamp, c, 0.0)
+
+
+def _c_one(logp, ref, clamp):
+    return jnp.ones_like(logp)
+
+
+def _c_minimax(logp, ref, clamp):
+    return jnp.exp(logp) - jnp.exp(ref)
+
+
+def _c_sign(logp, ref, clamp):
+    return jnp.sign(logp - ref)
+
+
+def _term_k2(logp, ref, clamp):
+    return kl_k2(logp, ref)
+
+
+def _term_k3(logp, ref, clamp):
+    return _k3(ref - logp, clamp)
+
+
+def _term_k1(logp, ref, clamp):
+    warnings.warn(K1_AS_LOSS_WARNING, stacklevel=3)  # the caller of kl_as_loss
+    return kl_k1(logp, ref)
+
+
+def _term_minimax(logp, ref, clamp):
+    # Value 0.5 (pi - pi_ref)^2, gradient sg(pi - pi_ref) grad log pi (appendix eq. 67).
+    diff = _c_minimax(jax.lax.stop_gradient(logp), ref, clamp)
+    return 0.5 * diff**2 + diff * (logp - jax.lax.stop_gradient(logp))
+
+
+def _term_abs(logp, ref, clamp):
+    return kl_abs(logp, ref)
+
+
+def _term_k3_plus(logp, ref, clamp):
+    # Straight-through (verl kl_penalty with a "+" kind): k2 + sg(k3 - k2).
+    k2 = kl_k2(logp, ref)
+    return k2 + jax.lax.stop_gradient(_k3(ref - logp, clamp) - k2)
+
+
+_KINDS = {
+    "k1-in-reward": (_c_log_ratio, None),
+    "k2-as-loss": (_c_log_ratio, _term_k2),
+    "k3-as-loss": (_c_k3, _term_k3),
+    "k1-as-loss": (_c_one, _term_k1),
+    "minimax": (_c_minimax, _term_minimax),
+    "abs-as-loss": (_c_sign, _term_abs),
+    "k3+-as-loss": (_c_log_ratio, _term_k3_plus),
+}
+KL_REGULARIZERS = tuple(_KINDS)
+AS_LOSS_KINDS = tuple(kind for kind, (_, term) in _KINDS.items() if term is not None)
+CLAMP_KINDS = ("k3-as-loss", "k3+-as-loss")  # the kinds whose value is k3, which take ``clamp``
+
+
+def kl_coefficient(kind: str, logp: Array, ref_logp: Array, *, clamp: float | None = None) -> Array:
     """Detached ``c = d k_n / d log pi`` at the snapshot ``logp``; MiniMax ``c = pi - pi_ref``
     (docs/losses.md#kl-regularisers, appendix G eq. 71).
 
-    Args: kind in ``KL_REGULARIZERS``; logp, ref_logp float ``[...]`` (same shape).
+    Args: kind in ``KL_REGULARIZERS``; logp, ref_logp float ``[...]`` (same shape);
+      clamp: k3's clip (only for kinds in ``CLAMP_KINDS``): "k3-as-loss"'s
+      coefficient is 0 where ``|k3| > clamp``; "k3+-as-loss" has k2's
+      coefficient whatever the clamp.
     Returns: float32 ``[...]``, with no gradient.
     """
     _validate.check_choice("kind", kind, KL_REGULARIZERS)
-    log_delta = jax.lax.stop_gradient(_log_delta(logp, ref_logp))
-    if kind in ("k1-in-reward", "k2-as-loss"):
-        return -log_delta
-    if kind == "k3-as-loss":
-        return -jnp.expm1(log_delta)
-    if kind == "k1-as-loss":
-        return jnp.ones_like(log_delta)
+    _check_clamp(clamp, kind)
+    _log_delta(logp, ref_logp)  # validation
+    coefficient, _ = _KINDS[kind]
     logp32 = jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
-    return jnp.exp(logp32) - jnp.exp(jnp.asarray(ref_logp, jnp.float32))
+    ref32 = jax.lax.stop_gradient(jnp.asarray(ref_logp, jnp.float32))
+    return coefficient(logp32, ref32, clamp)
 
 
-def kl_as_loss(kind: str, logp: Array, ref_logp: Array, mask: Array) -> Array:
+def kl_as_loss(kind: str, logp: Array, ref_logp: Array, mask: Array, *, clamp: float | None = None) -> Array:
     """Per-token as-loss term ``k_n(pi_theta, pi_ref)`` to add (times a coefficient) to the loss
     (docs/losses.md#kl-regularisers).
 
@@ -93,13 +211,19 @@ def kl_as_loss(kind: str, logp: Array, ref_logp: Array, mask: Array) -> Array:
       "k1-as-loss": ``logp - ref_logp`` (emits a ``UserWarning``: it does not
       regularise); "minimax": value ``0.5 (pi - pi_ref)^2`` with the gradient
       of the MiniMax-01 Monte-Carlo surrogate ``sg(pi - pi_ref) log pi``
-      (appendix eq. 67: the full-vocabulary MSE's gradient in expectation).
+      (appendix eq. 67: the full-vocabulary MSE's gradient in expectation);
+      "abs-as-loss": ``|logp - ref_logp|`` (verl "abs"), gradient
+      ``sign(logp - ref_logp)``; "k3+-as-loss": ``k2 + sg(k3 - k2)``, the
+      value of k3 with the gradient of k2 (verl ``kl_penalty`` "k3+", the
+      straight-through form).
     Only correct for on-policy samples; see :func:`kl_off_policy_token_loss`.
 
     Args: kind in ``AS_LOSS_KINDS``; logp float ``[B, T]`` (carries gradient);
-      ref_logp float ``[B, T]``; mask ``[B, T]``.
+      ref_logp float ``[B, T]``; mask ``[B, T]``; clamp: clip k3's value to
+      ``[-clamp, clamp]`` for the kinds in ``CLAMP_KINDS`` (verl's 10; off by
+      default, see :func:`kl_k3`).
     Returns: float32 ``[B, T]``, 0 on masked tokens; its gradient with respect
-      to ``logp`` is ``kl_coefficient(kind, ...)``.
+      to ``logp`` is ``kl_coefficient(kind, ..., clamp=clamp)``.
     """
     if kind == "k1-in-reward":
         raise ValueError(
@@ -107,6 +231,7 @@ def kl_as_loss(kind: str, logp: Array, ref_logp: Array, mask: Array) -> Array:
             f"before computing advantages; as-loss kinds are {list(AS_LOSS_KINDS)}"
         )
     _validate.check_choice("kind", kind, AS_LOSS_KINDS)
+    _check_clamp(clamp, kind)
     _validate.check_mask("mask", mask)
     _validate.check_same_shape(logp=logp, ref_logp=ref_logp, mask=mask)
     live = jnp.asarray(mask).astype(bool)
@@ -114,17 +239,8 @@ def kl_as_loss(kind: str, logp: Array, ref_logp: Array, mask: Array) -> Array:
     # there (inf, nan) cannot reach the gradient.
     logp32 = jnp.where(live, jnp.asarray(logp, jnp.float32), 0.0)
     ref32 = jnp.where(live, jnp.asarray(ref_logp, jnp.float32), 0.0)
-    if kind == "k2-as-loss":
-        term = kl_k2(logp32, ref32)
-    elif kind == "k3-as-loss":
-        term = kl_k3(logp32, ref32)
-    elif kind == "k1-as-loss":
-        warnings.warn(K1_AS_LOSS_WARNING, stacklevel=2)
-        term = kl_k1(logp32, ref32)
-    else:
-        diff = kl_coefficient("minimax", logp32, ref32)
-        term = 0.5 * diff**2 + diff * (logp32 - jax.lax.stop_gradient(logp32))
-    return jnp.where(live, term, 0.0)
+    _, term = _KINDS[kind]
+    return jnp.where(live, term(logp32, ref32, clamp), 0.0)
 
 
 def kl_in_reward(rewards: Array, sample_logp: Array, ref_logp: Array, mask: Array, *, coef: float) -> Array:
@@ -175,6 +291,7 @@ def kl_off_policy_token_loss(
     eps_low: float,
     eps_high: float,
     dual_clip: float | None = None,
+    clamp: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Off-policy KL: ``-min(rho (-c'), clip(rho) (-c'))`` with ``c' = sg(d k_n / d log pi)`` at the current snapshot
     (docs/losses.md#off-policy-kl-correction, appendix G eq. 70-71).
@@ -191,7 +308,8 @@ def kl_off_policy_token_loss(
     Args: kind in ``KL_REGULARIZERS`` (k1-in-reward gives k2's coefficient);
       logp float ``[B, T]`` (carries gradient); old_logp, ref_logp float
       ``[B, T]``; mask ``[B, T]``; policy_loss, eps_low, eps_high, dual_clip:
-      as the reward term's (see :func:`jaxrl.losses.policy.policy_token_loss`).
+      as the reward term's (see :func:`jaxrl.losses.policy.policy_token_loss`);
+      clamp: k3's clip for the kinds in ``CLAMP_KINDS`` (see :func:`kl_coefficient`).
     Returns: (float32 ``[B, T]`` token loss, 0 on masked tokens; the policy
       loss's clip metrics for this head).
     """
@@ -199,7 +317,7 @@ def kl_off_policy_token_loss(
     if kind == "k1-as-loss":
         warnings.warn(K1_AS_LOSS_WARNING, stacklevel=2)
     live = jnp.asarray(mask).astype(bool)
-    coefficient = kl_coefficient(kind, jnp.where(live, logp, 0.0), jnp.where(live, ref_logp, 0.0))
+    coefficient = kl_coefficient(kind, jnp.where(live, logp, 0.0), jnp.where(live, ref_logp, 0.0), clamp=clamp)
     policy_loss = "gspo-token" if policy_loss == "gspo" else policy_loss
     return policy.policy_token_loss(
         policy_loss, logp, old_logp, -coefficient, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip

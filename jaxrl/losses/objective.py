@@ -36,15 +36,21 @@ _CORRECTIONS = {
     "seq-tis": (corrections.sequence_tis, {"cap": "tis_cap"}),
     "token-mis": _TOKEN_MIS,
     "icepop": _TOKEN_MIS,
-    "seq-mis": (corrections.sequence_mis, {"cap": "seq_mis_cap"}),
+    "seq-mis": (corrections.sequence_mis, {"cap": "seq_mis_cap", "lower": "seq_mis_lower"}),
     "geo-rs": (corrections.geo_rs, {"lower": "geo_rs_lower", "upper": "geo_rs_upper"}),
+    "seq-kl-rs": (corrections.sequence_kl_rs, {"estimator": "seq_kl_rs_estimator", "aggregate": "seq_kl_rs_aggregate",
+                                               "threshold": "seq_kl_rs_threshold"}),
 }
+# The IS-weight corrections and the level their batch normalisation averages at; the other
+# corrections are rejections, which can be combined with one of these (``mismatch_rejection``).
+_IS_LEVELS = {"token-tis": "token", "seq-tis": "sequence"}
 
 # The values ObjectiveConfig accepts, from the registries ("none": the term is off).
 # Entropy controls are dispatched in entropy_control_selection and rl_objective.
 KL_KINDS = ("none",) + kl_lib.KL_REGULARIZERS
 ENTROPY_CONTROLS = ("none", "clip-cov", "kl-cov")
 MISMATCH_CORRECTIONS = ("none",) + tuple(_CORRECTIONS)
+MISMATCH_REJECTIONS = ("none",) + tuple(name for name in _CORRECTIONS if name not in _IS_LEVELS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +78,16 @@ class ObjectiveConfig:
         "kl-cov" (kl_cov_ratio 2e-3, kl_cov_beta 1) (docs/losses.md#clip-cov-and-kl-cov defaults).
       mismatch_correction ["none"]: "token-tis" / "seq-tis" (cap ``tis_cap`` 2),
         "token-mis" = "icepop" (band [1/mis_c_low, mis_c_high] = [0.5, 5]),
-        "seq-mis" (cap ``seq_mis_cap`` 2), "geo-rs" ([geo_rs_lower,
-        geo_rs_upper] = [0.999, 1.001]) (docs/losses.md#mismatch-corrections); needs ``rollout_logp``.
+        "seq-mis" (cap ``seq_mis_cap`` 2, optional lower bound ``seq_mis_lower``), "geo-rs" ([geo_rs_lower,
+        geo_rs_upper] = [0.999, 1.001]), "seq-kl-rs" (a sequence's ``seq_kl_rs_aggregate`` ["mean"] of
+        ``seq_kl_rs_estimator`` ["k3"] above ``seq_kl_rs_threshold`` [0.01])
+        (docs/losses.md#mismatch-corrections); needs ``rollout_logp``.
+      mismatch_rejection ["none"]: a rejection (any correction but the TIS ones) applied together
+        with a "token-tis" / "seq-tis" ``mismatch_correction``: the weight is the IS weight on the
+        tokens both keep. is_batch_normalize [False]: divide the IS weight by its mean over the
+        mini-batch (token mean for token-tis, mean of sequence means for seq-tis).
+      kl_clamp [None]: clamp k3 to [-kl_clamp, kl_clamp] for "k3-as-loss" / "k3+-as-loss" as
+        verl's low_var_kl does (10); off by default: it biases the estimate and silences outliers.
       bypass [False]: use ``rollout_logp`` as ``old_logp`` (Ring-Linear eq. 5);
         excludes a mismatch correction and the batch filter (no learner/rollout
         ratio is left).
@@ -88,8 +102,10 @@ class ObjectiveConfig:
     dual_clip: float | None = None
     aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                          "seq-mean-token-sum-norm"] = "token-mean"
-    kl_kind: Literal["none", "k1-in-reward", "k2-as-loss", "k3-as-loss", "k1-as-loss", "minimax"] = "none"
+    kl_kind: Literal["none", "k1-in-reward", "k2-as-loss", "k3-as-loss", "k1-as-loss", "minimax", "abs-as-loss",
+                     "k3+-as-loss"] = "none"
     kl_coef: float = 0.0
+    kl_clamp: float | None = None
     kl_off_policy_correction: bool = True
     entropy_coef: float = 0.0
     entropy_control: Literal["none", "clip-cov", "kl-cov"] = "none"
@@ -98,13 +114,20 @@ class ObjectiveConfig:
     clip_cov_omega_high: float = 5.0
     kl_cov_ratio: float = 2e-3
     kl_cov_beta: float = 1.0
-    mismatch_correction: Literal["none", "token-tis", "seq-tis", "token-mis", "icepop", "seq-mis", "geo-rs"] = "none"
+    mismatch_correction: Literal["none", "token-tis", "seq-tis", "token-mis", "icepop", "seq-mis", "geo-rs",
+                                 "seq-kl-rs"] = "none"
+    mismatch_rejection: Literal["none", "token-mis", "icepop", "seq-mis", "geo-rs", "seq-kl-rs"] = "none"
+    is_batch_normalize: bool = False
     tis_cap: float = 2.0
     mis_c_low: float = 2.0
     mis_c_high: float = 5.0
     seq_mis_cap: float = 2.0
+    seq_mis_lower: float | None = None
     geo_rs_lower: float = 0.999
     geo_rs_upper: float = 1.001
+    seq_kl_rs_estimator: Literal["k2", "k3"] = "k3"
+    seq_kl_rs_aggregate: Literal["sum", "mean", "max"] = "mean"
+    seq_kl_rs_threshold: float = 0.01
     bypass: bool = False
     batch_filter_threshold: float | None = None
     batch_filter_metric: str = "mismatch_k3"
@@ -116,8 +139,11 @@ class ObjectiveConfig:
         _validate.check_choice(key("kl_kind"), self.kl_kind, KL_KINDS)
         _validate.check_choice(key("entropy_control"), self.entropy_control, ENTROPY_CONTROLS)
         _validate.check_choice(key("mismatch_correction"), self.mismatch_correction, MISMATCH_CORRECTIONS)
+        _validate.check_choice(key("mismatch_rejection"), self.mismatch_rejection, MISMATCH_REJECTIONS)
+        _validate.check_choice(key("seq_kl_rs_estimator"), self.seq_kl_rs_estimator, corrections.KL_RS_ESTIMATORS)
+        _validate.check_choice(key("seq_kl_rs_aggregate"), self.seq_kl_rs_aggregate, corrections.KL_RS_AGGREGATES)
         _validate.check_choice(key("batch_filter_metric"), self.batch_filter_metric, mismatch.BATCH_FILTER_METRICS)
-        for name in ("kl_off_policy_correction", "bypass"):
+        for name in ("kl_off_policy_correction", "bypass", "is_batch_normalize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{key(name)}={getattr(self, name)!r} but a bool (true/false) was expected")
         numbers = [f.name for f in dataclasses.fields(self) if f.type in ("float", "float | None")]
@@ -141,9 +167,28 @@ class ObjectiveConfig:
             _validate.check_positive(key(name), getattr(self, name))
         _validate.check_ordered(key("1/mis_c_low"), 1.0 / self.mis_c_low, key("mis_c_high"), self.mis_c_high)
         _validate.check_ordered(key("geo_rs_lower"), self.geo_rs_lower, key("geo_rs_upper"), self.geo_rs_upper)
+        if self.seq_mis_lower is not None:
+            _validate.check_positive(key("seq_mis_lower"), self.seq_mis_lower)
+            _validate.check_ordered(key("seq_mis_lower"), self.seq_mis_lower, key("seq_mis_cap"), self.seq_mis_cap)
+        _validate.check_positive(key("seq_kl_rs_threshold"), self.seq_kl_rs_threshold, allow_zero=True)
+        if self.mismatch_rejection != "none" and self.mismatch_correction not in _IS_LEVELS:
+            raise ValueError(
+                f"{key('mismatch_rejection')}={self.mismatch_rejection!r} combines a rejection with an IS weight, but "
+                f"{key('mismatch_correction')}={self.mismatch_correction!r} is not one; set mismatch_correction to "
+                f"one of {list(_IS_LEVELS)}, or put the rejection alone in mismatch_correction")
+        if self.is_batch_normalize and self.mismatch_correction not in _IS_LEVELS:
+            raise ValueError(f"{key('is_batch_normalize')}=True normalises an IS weight, but "
+                             f"{key('mismatch_correction')}={self.mismatch_correction!r} is not one of "
+                             f"{list(_IS_LEVELS)}")
+        if self.kl_clamp is not None:
+            _validate.check_positive(key("kl_clamp"), self.kl_clamp)
+            if self.kl_kind not in kl_lib.CLAMP_KINDS:
+                raise ValueError(f"{key('kl_clamp')}={self.kl_clamp} clamps k3, but {key('kl_kind')}={self.kl_kind!r}; "
+                                 f"use one of {list(kl_lib.CLAMP_KINDS)} or set kl_clamp to None")
         if self.batch_filter_threshold is not None:
             _validate.check_positive(key("batch_filter_threshold"), self.batch_filter_threshold, allow_zero=True)
-        if self.bypass and (self.mismatch_correction != "none" or self.batch_filter_threshold is not None):
+        if self.bypass and (self.mismatch_correction != "none" or self.mismatch_rejection != "none"
+                            or self.batch_filter_threshold is not None):
             raise ValueError(
                 f"{key('bypass')}=True uses rollout_logp as old_logp, so "
                 f"{key('mismatch_correction')}={self.mismatch_correction!r} and "
@@ -167,12 +212,34 @@ def _masked_mean(x: Array, mask: Array) -> Array:
     return jnp.sum(jnp.where(live, jax.lax.stop_gradient(x).astype(jnp.float32), 0.0)) / jnp.maximum(jnp.sum(live), 1)
 
 
-def _mismatch_weight(config: ObjectiveConfig, old_logp, rollout_logp, mask):
-    """Detached per-token weight of the policy term and the correction's metrics
-    (docs/losses.md#mismatch-corrections)."""
-    correct, options = _CORRECTIONS[config.mismatch_correction]
-    weight, _, metrics = correct(old_logp, rollout_logp, mask,
-                                 **{keyword: getattr(config, field) for keyword, field in options.items()})
+def _correction(config: ObjectiveConfig, name: str, old_logp, rollout_logp, mask):
+    """``(weight, keep, metrics)`` of the correction ``name`` with the config's options for it."""
+    correct, options = _CORRECTIONS[name]
+    return correct(old_logp, rollout_logp, mask,
+                   **{keyword: getattr(config, field) for keyword, field in options.items()})
+
+
+def is_batch_mean(config: ObjectiveConfig, old_logp: Array, rollout_logp: Array, mask: Array) -> Array:
+    """The mean IS weight ``is_batch_normalize`` divides by, over the tokens given: call it on the
+    optimizer step's whole batch and pass it to each micro-batch's :func:`rl_objective` as
+    ``is_batch_mean``, so the normalisation does not depend on the split."""
+    weight, _, _ = _correction(config, config.mismatch_correction, old_logp, rollout_logp, mask)
+    level = _IS_LEVELS[config.mismatch_correction]
+    return corrections.batch_normalize_is_weights(weight, mask, level=level)[1]["is_batch_norm_factor"]
+
+
+def _mismatch_weight(config: ObjectiveConfig, old_logp, rollout_logp, mask, batch_mean):
+    """Detached per-token weight of the policy term and the corrections' metrics
+    (docs/losses.md#mismatch-corrections): the correction's weight, batch-normalised when asked
+    (over the loss mask, before any rejection, as verl), then times the rejection's keep."""
+    weight, keep, metrics = _correction(config, config.mismatch_correction, old_logp, rollout_logp, mask)
+    if config.is_batch_normalize:
+        weight, normalized = corrections.batch_normalize_is_weights(
+            weight, mask, level=_IS_LEVELS[config.mismatch_correction], batch_mean=batch_mean)
+        metrics = {**metrics, **normalized}
+    if config.mismatch_rejection != "none":
+        rejection = _correction(config, config.mismatch_rejection, old_logp, rollout_logp, mask)
+        weight, keep, metrics = corrections.combine_corrections((weight, keep, metrics), rejection)
     return jax.lax.stop_gradient(weight), metrics
 
 
@@ -232,6 +299,7 @@ def rl_objective(
     normalizer: Array | float,
     key: Array | None = None,
     cov_selection: Array | None = None,
+    is_batch_mean: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """``loss = agg(w * pg [+ kl_cov]) + kl_coef * agg(kl) - entropy_coef * agg(H)``
     (docs/losses.md#the-rl-objective, module docstring).
@@ -252,6 +320,8 @@ def rl_objective(
         (Clip-Cov's detached / KL-Cov's penalised tokens). None: selected from
         this call's tokens, which is the same thing only when the call sees the
         whole batch.
+      is_batch_mean: with ``is_batch_normalize``, :func:`is_batch_mean` of the whole optimizer-step
+        batch; None: this call's own mean (the same only when the call sees the whole batch).
     Returns:
       ``(loss float32 scalar, metrics)``. Summable over micro-batches like the
       loss: ``policy_loss``, ``kl_loss``, ``entropy_loss``. Means over this
@@ -301,7 +371,7 @@ def rl_objective(
     if config.mismatch_correction != "none" or config.batch_filter_threshold is not None:
         _require("rollout_logp", rollout_logp, "a mismatch correction or batch filter compares it with old_logp")
     if config.mismatch_correction != "none":
-        weight, correction_metrics = _mismatch_weight(config, anchor, rollout_logp, mask)
+        weight, correction_metrics = _mismatch_weight(config, anchor, rollout_logp, mask, is_batch_mean)
         pg_loss = pg_loss * weight
         metrics.update(correction_metrics)
 
@@ -321,9 +391,10 @@ def rl_objective(
             if config.kl_off_policy_correction:
                 kl_tokens, _ = kl_lib.kl_off_policy_token_loss(
                     config.kl_kind, logp, anchor, ref_logp, mask, policy_loss=config.policy_loss,
-                    eps_low=config.eps_low, eps_high=config.eps_high, dual_clip=config.dual_clip)
+                    eps_low=config.eps_low, eps_high=config.eps_high, dual_clip=config.dual_clip,
+                    clamp=config.kl_clamp)
             else:
-                kl_tokens = kl_lib.kl_as_loss(config.kl_kind, logp, ref_logp, mask)
+                kl_tokens = kl_lib.kl_as_loss(config.kl_kind, logp, ref_logp, mask, clamp=config.kl_clamp)
         kl_loss = aggregate(kl_tokens)
         metrics["kl_loss"] = kl_loss
         loss = loss + config.kl_coef * kl_loss

@@ -17,6 +17,7 @@ The RL and SFT trainers both update through this module; the models know nothing
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -26,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl.losses import ObjectiveConfig, entropy_control_selection, mismatch_metrics, rl_objective
+from jaxrl.losses import ObjectiveConfig, entropy_control_selection, is_batch_mean, mismatch_metrics, rl_objective
 from jaxrl.models.sharding import batch_shardings, state_shardings
 from jaxrl.trainer.batch import UpdateBatch
 
@@ -250,14 +251,14 @@ def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chu
     def selection_key(batch: UpdateBatch):
         return jax.random.fold_in(jax.random.key(seed), batch.key_seed)
 
-    def micro_loss(model, batch: UpdateBatch, _micro_index):
+    def micro_loss(model, batch: UpdateBatch, _micro_index, mini_batch_is_mean=None):
         """The objective on one micro-batch (normalised by the mini-batch's global normalizer)."""
         tokens = batch.tokens
         logp, entropy, out = batch.token_logprobs(model, chunk_size)
         loss, metrics = rl_objective(
             objective, logp, tokens.old_logp, tokens.advantages, tokens.mask, rollout_logp=tokens.rollout_logp,
             ref_logp=tokens.ref_logp, entropy=entropy, normalizer=batch.normalizer, key=selection_key(batch),
-            cov_selection=batch.cov_selection,
+            cov_selection=batch.cov_selection, is_batch_mean=mini_batch_is_mean,
         )
         if objective.bypass:
             # No recompute pass: on the first mini-batch the learner's logp *is* the recompute.
@@ -267,7 +268,17 @@ def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chu
             metrics = dict(metrics, moe_aux_loss=out.aux_loss)
         return loss, metrics
 
-    accumulated = accumulate(micro_loss, micro_batches)
+    if objective.is_batch_normalize and micro_batches > 1:
+        # The IS weights' mean is a statistic of the whole mini-batch (no parameters involved), so
+        # every micro-batch divides by the same number and the split changes nothing.
+        def normalized_micro_loss(model, batch: UpdateBatch):
+            t = batch.tokens
+            mean = is_batch_mean(objective, t.old_logp, t.rollout_logp, t.mask)
+            return accumulate(functools.partial(micro_loss, mini_batch_is_mean=mean), micro_batches)(model, batch)
+
+        accumulated = normalized_micro_loss
+    else:
+        accumulated = accumulate(micro_loss, micro_batches)
     if objective.entropy_control == "none" or micro_batches == 1:
         return accumulated
 

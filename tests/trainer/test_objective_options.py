@@ -235,17 +235,37 @@ def _assert_reference_is_the_initial_policy(run: Run) -> None:
     {"kl_kind": "k3-as-loss"},
     {"kl_kind": "minimax"},
     {"kl_kind": "k3-as-loss", "kl_off_policy_correction": False},
-], ids=["k2", "k3", "minimax", "k3-on-policy-form"])
+    {"kl_kind": "k3+-as-loss"},
+    {"kl_kind": "k3-as-loss", "kl_clamp": 0.05},
+], ids=["k2", "k3", "minimax", "k3-on-policy-form", "k3+", "k3-clamped"])
 def test_kl_as_loss_pulls_towards_a_frozen_reference(files, tmp_path, monkeypatch, objective):
     """The first mini-batch is at the reference (KL 0, no KL gradient); the second has moved, so
-    the logged KL is positive and the step differs from the same step with kl_coef = 0."""
+    the logged KL is positive and the step differs from the same step with kl_coef = 0 (and, for
+    the clamp, from the unclamped step: clamped tokens lose their KL gradient)."""
     run = _run(files, tmp_path, monkeypatch, objective={**objective, "kl_coef": 1.0})
-    _assert_update_is_the_library_step(run, {"kl_kind": "none", "kl_coef": 0.0})
+    _assert_update_is_the_library_step(run, {"kl_kind": "none", "kl_coef": 0.0, "kl_clamp": None})
+    if "kl_clamp" in objective:
+        _assert_update_is_the_library_step(run, {"kl_clamp": None})
     # k3 >= 0 token by token; k1's batch mean can be negative on samples of the old policy.
     assert _last(run, "update/kl_k3") > 1e-3
     if objective.get("kl_off_policy_correction") is False:  # the plain as-loss is k3's value, >= 0
         assert _last(run, "update/kl_loss") > 1e-3
     _assert_reference_is_the_initial_policy(run)
+
+
+def test_abs_kl_pulls_with_the_sign_of_the_gap(files, tmp_path, monkeypatch):
+    """abs-as-loss's coefficient is sgn(log pi - log pi_ref). On the first mini-batch the learner is
+    the reference, and the sign of each token's gap is float rounding between the reference's
+    forward and the train step's: no hand-rolled step can reproduce that, so this checks what is
+    defined: a positive KL after the move, a frozen reference, and a step that is not the KL-free one
+    (docs/losses.md#kl-regularisers says to prefer k2 or k3)."""
+    run = _run(files, tmp_path, monkeypatch, objective={"kl_kind": "abs-as-loss", "kl_coef": 1.0})
+    assert _last(run, "update/kl_k3") > 1e-3
+    _assert_reference_is_the_initial_policy(run)
+    trained = _change(run.initial, run.final)
+    kl_free = _change(run.initial, _hand_rolled(run, dataclasses.replace(run.config.objective, kl_kind="none",
+                                                                         kl_coef=0.0)))
+    assert float(np.max(np.abs(trained - kl_free))) > 1e-2
 
 
 def test_k1_in_reward_lowers_each_reward_by_its_kl(files, tmp_path, monkeypatch):
@@ -292,6 +312,8 @@ CORRECTIONS = {
     "token-mis": ({"mis_c_low": 2.0, "mis_c_high": 1.0}, "token_mis_masked_token_frac"),
     "seq-mis": ({"seq_mis_cap": 1.0}, "seq_mis_masked_seq_frac"),
     "geo-rs": ({"geo_rs_lower": 0.9, "geo_rs_upper": 1.1}, "geo_rs_masked_seq_frac"),
+    "seq-mis-two-sided": ({"seq_mis_cap": 2.0, "seq_mis_lower": 1.0}, "seq_mis_masked_seq_frac"),
+    "seq-kl-rs": ({"seq_kl_rs_threshold": 0.02}, "seq_kl_rs_masked_seq_frac"),
 }
 
 
@@ -304,9 +326,12 @@ def test_mismatch_correction_weights_the_step_as_logged(files, tmp_path, monkeyp
     """The logged clipped / masked fraction is the library's on the recorded batch, strictly
     between 0 and 1, and the step is the corrected library step."""
     options, fraction = CORRECTIONS[name]
+    name = name.removesuffix("-two-sided")
     run = _run(files, tmp_path, monkeypatch, objective={"mismatch_correction": name, **options},
                rollout=MISMATCHED_ROLLOUT)
-    _assert_update_is_the_library_step(run, {"mismatch_correction": "none"})
+    _assert_update_is_the_library_step(run, {"mismatch_correction": "none", "seq_mis_lower": None})
+    if "seq_mis_lower" in options:  # the lower bound rejects what the one-sided cap keeps
+        _assert_update_is_the_library_step(run, {"seq_mis_lower": None})
     batch = run.batches[0]
     correct, keywords = losses.objective._CORRECTIONS[name]
     values = []
@@ -316,6 +341,44 @@ def test_mismatch_correction_weights_the_step_as_logged(files, tmp_path, monkeyp
         values.append(float(metrics[fraction]))
     assert 0 < np.mean(values) < 1
     assert _last(run, f"update/{fraction}") == pytest.approx(np.mean(values), abs=1e-6)
+
+
+def _mini_batch_metrics(run: Run, name: str) -> list[float]:
+    """The correction ``name``'s metrics (with the run's options) on each mini-batch of step 1."""
+    correct, keywords = losses.objective._CORRECTIONS[name]
+    return [correct(mini.old_logp, mini.rollout_logp, mini.mask,
+                    **{k: getattr(run.config.objective, f) for k, f in keywords.items()})[2]
+            for _, mini in _mini_batches(run, run.batches[0])]
+
+
+def test_an_is_weight_and_a_rejection_combine(files, tmp_path, monkeypatch):
+    """seq-TIS reweights, Geo-RS rejects: the step is the library's combined correction, unlike
+    either alone, and both corrections' fractions are logged as the library computes them."""
+    objective = {"mismatch_correction": "seq-tis", "tis_cap": 1.0, "mismatch_rejection": "geo-rs",
+                 "geo_rs_lower": 0.9, "geo_rs_upper": 1.1}
+    run = _run(files, tmp_path, monkeypatch, objective=objective, rollout=MISMATCHED_ROLLOUT)
+    _assert_update_is_the_library_step(run, {"mismatch_rejection": "none"})
+    _assert_update_is_the_library_step(run, {"mismatch_correction": "geo-rs", "mismatch_rejection": "none"})
+    for name, fraction in (("seq-tis", "seq_tis_clipped_seq_frac"), ("geo-rs", "geo_rs_masked_seq_frac")):
+        expected = np.mean([float(m[fraction]) for m in _mini_batch_metrics(run, name)])
+        assert 0 < expected < 1
+        assert _last(run, f"update/{fraction}") == pytest.approx(expected, abs=1e-6)
+
+
+def test_is_batch_normalization_is_the_same_for_any_micro_batch_split(files, tmp_path, monkeypatch):
+    """Token-TIS weights divided by their mini-batch mean: with 2 micro-batches the trainer's step
+    is the hand-rolled whole-mini-batch step, and not the unnormalised one."""
+    objective = {"mismatch_correction": "token-tis", "tis_cap": 1.5, "is_batch_normalize": True}
+    run = _run(files, tmp_path, monkeypatch, objective=objective, rollout=MISMATCHED_ROLLOUT,
+               update={"micro_batches": 2})
+    _assert_update_is_the_library_step(run, {"is_batch_normalize": False})
+    means = []
+    for _, mini in _mini_batches(run, run.batches[0]):
+        weight, _, _ = losses.token_tis(mini.old_logp, mini.rollout_logp, mini.mask, cap=1.5)
+        m = np.asarray(mini.mask) > 0
+        means.append(float(np.asarray(weight)[m].mean()))
+    assert abs(np.mean(means) - 1) > 1e-3  # normalising changes the weights here
+    assert _last(run, "update/is_batch_norm_factor") == pytest.approx(np.mean(means), rel=1e-5)
 
 
 @pytest.mark.parametrize("threshold, skipped", [(1e-6, True), (1e6, False)], ids=["crossed", "not-crossed"])
