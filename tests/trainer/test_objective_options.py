@@ -470,14 +470,23 @@ def test_every_estimator_is_tested_through_the_trainer():
 
 
 def _greedy_continuation(run: Run, prompt, length: int) -> list[int]:
-    """Argmax decoding with the initial model's full forward, token by token (no KV cache)."""
+    """Argmax decoding with the initial model's full forward, token by token (no KV cache): each
+    step scores a row right-padded to a fixed width (padding is another segment, so causal
+    attention never sees it) and takes the argmax at the last real token."""
     model = nnx.merge(run.graphdef, jax.tree.map(jnp.asarray, run.initial))
+    width = len(prompt) + length
+
+    @jax.jit
+    def next_token(ids, last):
+        positions = jnp.arange(width, dtype=jnp.int32)[None]
+        segments = (positions <= last).astype(jnp.int32)
+        hidden = model(ids, positions, segments).hidden[0, last]
+        return jnp.argmax(hidden @ model.lm_head_weight())
+
     tokens = [int(t) for t in prompt]
     for _ in range(length):
-        ids = jnp.asarray([tokens], jnp.int32)
-        positions = jnp.arange(len(tokens), dtype=jnp.int32)[None]
-        hidden = model(ids, positions, jnp.ones_like(ids)).hidden[0, -1]
-        tokens.append(int(jnp.argmax(hidden @ model.lm_head_weight())))
+        ids = jnp.asarray([tokens + [0] * (width - len(tokens))], jnp.int32)
+        tokens.append(int(next_token(ids, len(tokens) - 1)))
     return tokens[len(prompt):]
 
 
