@@ -43,9 +43,11 @@ import numpy as np
 from jaxrl.losses import _validate
 from jaxrl.losses._groups import (DEFAULT_STD_MIN, Groups, as_groups, check_std_args, clip_std, group_output,
                                   group_stats, live_mask)
+from jaxrl.losses.gae import gae_advantages
 from jaxrl.losses.passk import grpo_passk_advantages, passk_advantages
 
 Array = jax.Array
+
 
 def grpo_advantages(
     rewards: Array,
@@ -293,6 +295,13 @@ ADVANTAGE_ESTIMATORS = {
     "grpo_passk": grpo_passk_advantages,
     "passk": passk_advantages,
 }
+# Token-level estimator name -> estimator: these need a critic's values per token, so the trainer runs
+# them itself (jaxrl.trainer.critic), not through sequence_advantages.
+TOKEN_ADVANTAGE_ESTIMATORS = {
+    "gae": gae_advantages,
+}
+# Every choice of ``AdvantageConfig.estimator``: the sequence-level ones, then the token-level ones.
+ESTIMATOR_CHOICES = (*ADVANTAGE_ESTIMATORS, *TOKEN_ADVANTAGE_ESTIMATORS)
 # Estimators whose baseline is a statistic of the prompt's group of samples (they take group_size).
 GROUPED_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk", "passk")
 # Estimator -> {its keyword argument: the AdvantageConfig field that sets it}.
@@ -305,15 +314,19 @@ _CONFIG_OPTIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-    """estimator: one of the loss library's advantage estimators (docs/losses.md#advantage-estimators);
-    std clip for GRPO and GRPO pass@k; passk_k: the k of "passk" (Pass@k Training)."""
+    """estimator: one of the loss library's advantage estimators (docs/losses.md#advantage-estimators):
+    a sequence-level one (``ADVANTAGE_ESTIMATORS``) or "gae" (``TOKEN_ADVANTAGE_ESTIMATORS``: PPO with
+    a critic, docs/losses.md#gae-with-a-critic); std clip for GRPO and GRPO pass@k; passk_k: the k of
+    "passk" (Pass@k Training); gamma, lam: GAE's discount and lambda, in [0, 1]."""
 
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline", "opo", "remax",
-                       "grpo_passk", "passk"] = "grpo"
+                       "grpo_passk", "passk", "gae"] = "grpo"
     std_min: float = 0.1
     std_max: float = 1e6
     ddof: Literal[0, 1] = 1
     passk_k: int = 4
+    gamma: float = 1.0
+    lam: float = 0.95
 
     # Estimators whose baseline is a statistic of the prompt's group of samples.
     GROUPED = GROUPED_ESTIMATORS
@@ -323,8 +336,18 @@ class AdvantageConfig:
         """Whether the rollout must also decode one greedy response per prompt ("remax")."""
         return self.estimator == "remax"
 
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the estimator is token-level and needs a critic's values ("gae")."""
+        return self.estimator in TOKEN_ADVANTAGE_ESTIMATORS
+
     def __post_init__(self):
-        _validate.check_choice("advantage.estimator", self.estimator, ADVANTAGE_ESTIMATORS)
+        _validate.check_choice("advantage.estimator", self.estimator, ESTIMATOR_CHOICES)
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"advantage.{name}={value!r} must be a number in [0, 1] (GAE's "
+                                 f"{'discount' if name == 'gamma' else 'lambda'})")
         if not 0.0 < self.std_min <= self.std_max:
             raise ValueError(
                 f"advantage.std_min ({self.std_min}) must be > 0 and <= advantage.std_max ({self.std_max}); "
@@ -362,6 +385,10 @@ def sequence_advantages(config: AdvantageConfig, scores: np.ndarray, valid: np.n
       baselines: the reward of the greedy response to each prompt, ``[N]`` (one per
         sample) or ``[N // G]`` (one per prompt, repeated over its group); required by "remax".
     """
+    if config.needs_critic:
+        raise ValueError(
+            f"advantage.estimator={config.estimator!r} is token-level: it needs a critic's values per token and "
+            f"is computed with gae_advantages (the trainer's critic does), not by sequence_advantages")
     n = len(scores)
     valid = np.asarray(valid, bool)
     num_prompts = n // group_size

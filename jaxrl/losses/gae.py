@@ -61,3 +61,28 @@ def gae_advantages(
     adv = adv_t.T
     returns = jnp.where(live, adv + values, 0.0)
     return adv, returns
+
+
+def whiten_advantages(advantages: Array, mask: Array, *, eps: float = 1e-8) -> Array:
+    """``(A - mean) / sqrt(var + eps)`` over the masked tokens of the whole batch
+    (docs/losses.md#gae-with-a-critic; verl's ``masked_whiten``, its default for GAE).
+
+    The mean and the variance run over every masked token of ``advantages`` (the variance with
+    Bessel's correction, as verl's; a batch of one token has variance 0). Pass the whole batch,
+    never a mini- or micro-batch.
+
+    Args:
+      advantages: float ``[B, T]``; mask: bool/0-1 ``[B, T]``; eps: > 0.
+    Returns: float32 ``[B, T]``, zero at masked positions.
+    """
+    _validate.check_floating("advantages", advantages)
+    _validate.check_mask("mask", mask)
+    _validate.check_rank("advantages", advantages, 2)
+    _validate.check_same_shape(advantages=advantages, mask=mask)
+    _validate.check_positive("eps", eps)
+    live = jnp.asarray(mask).astype(bool)
+    adv = jnp.where(live, jnp.asarray(advantages, jnp.float32), 0.0)
+    count = jnp.sum(live).astype(jnp.float32)
+    mean = jnp.sum(adv) / jnp.maximum(count, 1.0)
+    var = jnp.sum(jnp.where(live, jnp.square(adv - mean), 0.0)) / jnp.maximum(count - 1.0, 1.0)
+    return jnp.where(live, (adv - mean) * jax.lax.rsqrt(var + eps), 0.0)

@@ -11,6 +11,13 @@ the gradient instead of penalising them (Motif: auxiliary penalties add noise).
 A function that raises is reported with the sample and its result is counted
 as unparsable; it never stops the run.
 
+Per-token rewards (for PPO with a critic, ``advantage.estimator: gae``): a function may also
+return ``token_rewards``, one float per response token (``len(response_ids)``), whose sum is
+``score``; the trainer then puts reward ``token_rewards[j]`` on response token ``j`` instead of
+the whole score on the last token. A wrong length, a non-finite entry or a sum that is not
+``score`` is a bug in the function: the call counts as raised and is reported with the task
+and the sample, like an exception.
+
 ``RewardRouter`` here calls the functions in this process (tests, notebooks, plain
 callables). ``jaxrl.reward.build_router`` returns its subclass
 ``jaxrl.reward.sandbox.SandboxedRewardRouter``, which calls them in a worker process under
@@ -32,10 +39,12 @@ HEAD = 200  # characters of the prompt and response quoted in a report
 
 @dataclasses.dataclass(frozen=True)
 class RewardResult:
-    """score: the reward (0-1 for the built-ins); unparsable: no gradable answer."""
+    """score: the reward (0-1 for the built-ins); unparsable: no gradable answer; token_rewards:
+    optional per-token rewards, one per response token, summing to ``score`` (module docstring)."""
 
     score: float
     unparsable: bool = False
+    token_rewards: Sequence[float] | None = None
 
 
 class RewardFn(Protocol):
@@ -52,7 +61,8 @@ class ScoredBatch:
     (True also where the function raised or timed out); raised: [N] bool (the function
     raised, returned a non-finite score, or killed its worker process); timed_out: [N] bool
     (the call exceeded ``reward.timeout_s`` and was killed; all False in-process);
-    tasks: the task of each sample.
+    tasks: the task of each sample; token_rewards: per sample, the function's per-token rewards
+    ([len(response_ids)] float32) or None where it gave none (or the call failed).
     """
 
     scores: np.ndarray
@@ -60,35 +70,59 @@ class ScoredBatch:
     raised: np.ndarray
     tasks: tuple[str, ...]
     timed_out: np.ndarray | None = None
+    token_rewards: tuple[np.ndarray | None, ...] | None = None
 
     def __post_init__(self):
         if self.timed_out is None:
             object.__setattr__(self, "timed_out", np.zeros(len(self.raised), bool))
+        if self.token_rewards is None:
+            object.__setattr__(self, "token_rewards", (None,) * len(self.raised))
 
 
 class Outcome(NamedTuple):
     """What one reward call came to.
 
-    kind: "ok" (``score``, ``unparsable`` set), "raised" (``error`` = "Type: message"),
-    "timed_out", or "died" (``error`` describes how the worker process ended).
+    kind: "ok" (``score``, ``unparsable``, ``token_rewards`` set), "raised" (``error`` = "Type:
+    message"), "timed_out", or "died" (``error`` describes how the worker process ended).
+    A plain tuple of picklable values, so it crosses the sandbox's pipe as it is.
     """
 
     kind: str
     score: float = 0.0
     unparsable: bool = False
     error: str = ""
+    token_rewards: tuple[float, ...] | None = None
 
 
 def call_reward(fn: RewardFn, prompt, response, response_ids, row) -> Outcome:
-    """Calls ``fn`` on one sample; an exception or a non-finite score -> a "raised" outcome."""
+    """Calls ``fn`` on one sample; an exception, a non-finite score or bad ``token_rewards``
+    (:func:`check_token_rewards`) -> a "raised" outcome."""
     try:
         result = fn(prompt, response, response_ids, row)
         score, unparsable = float(result.score), bool(result.unparsable)
         if not np.isfinite(score):
             raise ValueError(f"reward is not finite: {score}")
+        token_rewards = getattr(result, "token_rewards", None)
+        if token_rewards is not None:
+            token_rewards = check_token_rewards(token_rewards, score, len(response_ids))
     except Exception as e:  # noqa: BLE001 - a reward bug must never kill the run.
         return Outcome("raised", error=describe_exception(e))
-    return Outcome("ok", score, unparsable)
+    return Outcome("ok", score, unparsable, token_rewards=token_rewards)
+
+
+def check_token_rewards(token_rewards, score: float, length: int) -> tuple[float, ...]:
+    """``token_rewards`` as a tuple of floats; ValueError unless it holds one finite number per
+    response token (``length``) and sums to ``score`` (relative and absolute tolerance 1e-5)."""
+    values = np.asarray(token_rewards, np.float64)
+    if values.ndim != 1 or len(values) != length:
+        raise ValueError(f"token_rewards has shape {values.shape} but the response has {length} tokens; "
+                         f"give one reward per response token (len(response_ids))")
+    if not np.isfinite(values).all():
+        raise ValueError(f"token_rewards holds non-finite values: {values.tolist()[:8]}")
+    total = float(values.sum())
+    if abs(total - score) > 1e-5 * max(1.0, abs(score)):
+        raise ValueError(f"token_rewards sum to {total:.6g} but score is {score:.6g}; the score must be their sum")
+    return tuple(float(v) for v in values)
 
 
 def describe_exception(e: BaseException) -> str:
@@ -204,9 +238,12 @@ class RewardRouter:
         unparsable = np.zeros(n, bool)
         raised = np.zeros(n, bool)
         timed_out = np.zeros(n, bool)
+        token_rewards: list[np.ndarray | None] = [None] * n
         for i, (task, outcome) in enumerate(zip(tasks, outcomes, strict=True)):
             if outcome.kind == "ok":
                 scores[i], unparsable[i] = outcome.score, outcome.unparsable
+                if outcome.token_rewards is not None:
+                    token_rewards[i] = np.asarray(outcome.token_rewards, np.float32)
                 continue
             unparsable[i] = True
             sample = f"on sample {i} (prompt={prompts[i][:HEAD]!r}, response={responses[i][:HEAD]!r})"
@@ -229,7 +266,7 @@ class RewardRouter:
             if on_error is not None:
                 on_error(message)
         return ScoredBatch(scores=scores, unparsable=unparsable, raised=raised, tasks=tuple(tasks),
-                           timed_out=timed_out)
+                           timed_out=timed_out, token_rewards=tuple(token_rewards))
 
     def _call_all(self, tasks, prompts, responses, response_ids, rows) -> list[Outcome]:
         """One Outcome per sample; here, in this process."""

@@ -3,8 +3,10 @@
 :class:`StepBatch` holds the step's sequences packed next-token aligned (column ``t`` holds
 the input token at position ``t`` and scores ``targets[:, t]``, the token at ``t + 1``), and
 gains its per-token arrays stage by stage through ``.replace(...)``: the engine's
-``rollout_logp`` at packing, ``old_logp`` / ``ref_logp`` at the recompute, ``advantages``
-after the reward. It is a frozen pytree, so the same object goes to the host-side stages and,
+``rollout_logp`` at packing, ``old_logp`` / ``ref_logp`` at the recompute, with a critic
+(PPO with GAE) its ``values`` before the advantages, then ``advantages`` (and with GAE the
+``token_rewards`` and the critic's targets ``returns``) after the reward. It is a frozen
+pytree, so the same object goes to the host-side stages and,
 sliced by :meth:`StepBatch.mini_batches`, into the jitted update as an :class:`UpdateBatch`.
 :meth:`StepBatch.token_aligned` is the alignment checker's view of the same tokens.
 """
@@ -25,7 +27,7 @@ from jaxrl.models.packing import PackedRows, pack_rows
 
 # The fields the loss reads; the rest (``generated``, ``prompt_lengths``) stay on the host.
 _UPDATE_FIELDS = ("input_ids", "positions", "segment_ids", "targets", "mask", "rollout_logp", "old_logp", "ref_logp",
-                  "advantages")
+                  "advantages", "values", "returns")
 
 
 @jax.tree_util.register_dataclass
@@ -41,7 +43,13 @@ class StepBatch:
     rollout_logp: float32, the engine's logprob of each generated target (0 elsewhere);
     prompt_lengths: int32 [N];
     old_logp, ref_logp, advantages: float32, filled in by the recompute and advantage stages
-    (``None`` until then, and ``ref_logp`` stays ``None`` when nothing needs the reference).
+    (``None`` until then, and ``ref_logp`` stays ``None`` when nothing needs the reference);
+    values, returns, token_rewards: float32, only with a critic (``advantage.estimator: gae``,
+    ``jaxrl.trainer.critic``; ``None`` otherwise): the critic's value at each column before the
+    update (the value of the state before that column's target is generated:
+    ``jaxrl.models.value``), the GAE targets, and the task's reward on each generated target
+    (the score on the last one, or the reward function's per-token rewards) before any KL
+    penalty; 0 off the ``mask``.
     """
 
     input_ids: Any
@@ -55,6 +63,9 @@ class StepBatch:
     old_logp: Any = None
     ref_logp: Any = None
     advantages: Any = None
+    values: Any = None
+    returns: Any = None
+    token_rewards: Any = None
 
     @classmethod
     def pack(cls, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], length: int, pad_id: int,

@@ -4,7 +4,11 @@ What is saved under ``<dir>/<step>/``:
 - ``state``: the train-step state pytree (``params``, ``opt_state``, ``step``), written
   by TensorStore through Orbax's StandardSave;
 - ``meta``: JSON with the RNG key data, the data iterator state, and anything else
-  the loop needs to continue bit for bit (e.g. the engine's weight version).
+  the loop needs to continue bit for bit (e.g. the engine's weight version);
+- optional further named pytrees (``items``), e.g. ``critic``: the critic's train-step state
+  of PPO with GAE, present only in runs that have one (so checkpoints of runs without it
+  keep their layout). A run that needs an item its checkpoint lacks is refused with
+  ``CheckpointMismatchError`` naming it (never mistaken for damage).
 
 Saves are asynchronous (Orbax copies device arrays to host, then writes in the
 background; ``wait()`` blocks) and atomic (Orbax writes into a temporary folder
@@ -35,6 +39,10 @@ log = logging.getLogger(__name__)
 
 class CheckpointSaveError(RuntimeError):
     """Writing a checkpoint failed (disk full, permissions, storage errors)."""
+
+
+class CheckpointMismatchError(ValueError):
+    """An intact checkpoint lacks an item the run needs (it was written by a different kind of run)."""
 
 
 def _cause(error: BaseException) -> str:
@@ -90,18 +98,20 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return step % self.config.every == 0
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
-        """Starts saving ``state`` (a pytree of jax arrays) and ``meta`` (JSON-able) as ``step``.
+    def save(self, step: int, state: Any, meta: dict, items: dict[str, Any] | None = None) -> None:
+        """Starts saving ``state`` (a pytree of jax arrays), ``meta`` (JSON-able) and the named
+        pytrees ``items`` as ``step``.
 
         A previous background save is waited for first (Orbax would block on it anyway), so its
         failure is reported under its own step, not under this one."""
         if self._pending is not None:
             self.wait()
         self._pending = step
+        extra = {name: ocp.args.StandardSave(tree) for name, tree in (items or {}).items()}
         try:
             self._manager.save(
                 step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta), **extra),
                 force=True,
             )
         except Exception as e:
@@ -130,12 +140,21 @@ class Checkpointer:
         """(state, meta) of ``step`` (default: the newest intact one), placed like ``target_state``
         (shardings included). Without ``step``, damaged checkpoints are reported, moved aside
         and skipped; FileNotFoundError when none is left."""
+        state, meta, _ = self.restore_with_items(target_state, {}, step)
+        return state, meta
+
+    def restore_with_items(self, target_state: Any, items: dict[str, Any],
+                           step: int | None = None) -> tuple[Any, dict, dict[str, Any]]:
+        """(state, meta, items) as :meth:`restore`, with the named pytrees ``items`` (name -> target,
+        placed like it) too. A checkpoint without one of them raises CheckpointMismatchError."""
         if step is not None:
-            return self._restore_step(target_state, step)
+            return self._restore_step(target_state, step, items)
         damaged = []
         for candidate in sorted(self.all_steps(), reverse=True):
             try:
-                restored = self._restore_step(target_state, candidate)
+                restored = self._restore_step(target_state, candidate, items)
+            except CheckpointMismatchError:
+                raise
             except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable.
                 damaged.append(candidate)
                 log.warning("checkpoint %s is damaged (%s); trying the previous one",
@@ -151,17 +170,28 @@ class Checkpointer:
             + (f" (damaged: {', '.join(map(str, damaged))})" if damaged else "")
             + "; run without --resume to start fresh")
 
-    def _restore_step(self, target_state: Any, step: int) -> tuple[Any, dict]:
+    def _restore_step(self, target_state: Any, step: int, items: dict[str, Any]) -> tuple[Any, dict, dict]:
+        for name in items:  # a checkpoint with its state but without the item is intact, just another run's
+            if not self._has_item(step, name) and self._has_item(step, "state"):
+                raise CheckpointMismatchError(
+                    f"checkpoint {self._step_path(step)} holds no {name!r}, which this run needs: it was written "
+                    f"by a run without one")
+        extra = {name: ocp.args.StandardRestore(_abstract(target)) for name, target in items.items()}
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(target_state)), meta=ocp.args.JsonRestore()
+                state=ocp.args.StandardRestore(_abstract(target_state)), meta=ocp.args.JsonRestore(), **extra
             ),
         )
         meta = restored["meta"]
         if not isinstance(meta, dict) or "step" not in meta:
             raise ValueError(f"metadata {meta!r} is not a run's record (no 'step')")
-        return restored["state"], dict(meta)
+        return restored["state"], dict(meta), {name: restored[name] for name in items}
+
+    def _has_item(self, step: int, name: str) -> bool:
+        from etils import epath
+
+        return (epath.Path(self._step_path(step)) / name).exists()
 
     def _step_path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))

@@ -116,6 +116,47 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """The critic of PPO with GAE (``advantage.estimator: gae``; docs/training.md#critic): a value
+    model with its own AdamW. ``lr`` [1e-5, verl's critic default], ``lr_warmup_steps``,
+    ``schedule``, ``min_lr_ratio``, ``b1``, ``b2``, ``eps``, ``weight_decay``, ``clip_norm``: as
+    the ``optimizer`` section's fields (``lr_warmup_steps`` is that section's ``warmup_steps``:
+    optimizer updates of linear LR warm-up). ``warmup_steps``: RL steps at the start of the run
+    during which only the critic trains and the policy is not updated (verl's
+    ``critic_warmup``). ``value_clip``: the clip range of the value loss around the values the
+    batch was scored with (None: unclipped)."""
+
+    lr: float = 1e-5
+    lr_warmup_steps: int = 0
+    schedule: Literal["cosine", "constant"] = "constant"
+    min_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    warmup_steps: int = 0
+    value_clip: float | None = 0.2
+
+    def __post_init__(self):
+        checks = [("lr", self.lr > 0, "> 0"), ("lr_warmup_steps", self.lr_warmup_steps >= 0, ">= 0"),
+                  ("min_lr_ratio", 0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]"),
+                  ("b1", 0.0 <= self.b1 < 1.0, "in [0, 1)"), ("b2", 0.0 <= self.b2 < 1.0, "in [0, 1)"),
+                  ("eps", self.eps > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                  ("warmup_steps", self.warmup_steps >= 0, ">= 0 (RL steps of critic-only training)"),
+                  ("value_clip", self.value_clip is None or self.value_clip > 0, "> 0, or null for no clipping")]
+        for key, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"critic.{key}={getattr(self, key)!r} must be {expected}")
+
+    def optimizer(self) -> "OptimizerConfig":
+        """The critic's AdamW settings as an ``optimizer`` section (for ``build_optimizer``)."""
+        return OptimizerConfig(lr=self.lr, warmup_steps=self.lr_warmup_steps, schedule=self.schedule,
+                               min_lr_ratio=self.min_lr_ratio, b1=self.b1, b2=self.b2, eps=self.eps,
+                               weight_decay=self.weight_decay, clip_norm=self.clip_norm)
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """Held-out reward: every ``every`` steps (and before the first and after the last), on up
     to ``max_prompts`` prompts of ``data.eval_files``, ``samples`` samples each, sampled like
@@ -177,7 +218,8 @@ class SFTConfig:
 class TrainConfig:
     """A whole run. ``output_dir`` receives metrics, TensorBoard events and plots; checkpoints go
     to ``checkpoint.directory`` (none when it is empty). ``steps``: RL steps (outer iterations of
-    docs/training.md#the-rl-update-loop)."""
+    docs/training.md#the-rl-update-loop). ``critic`` is not None exactly when the run has a critic
+    (``advantage.estimator: gae``; the section's defaults when it is not given)."""
 
     output_dir: str
     model: PolicyConfig
@@ -189,6 +231,7 @@ class TrainConfig:
     reward: RewardConfig = RewardConfig()
     rollout: RolloutConfig = RolloutConfig()
     advantage: AdvantageConfig = AdvantageConfig()
+    critic: CriticConfig | None = None
     objective: ObjectiveConfig = ObjectiveConfig()
     update: UpdateConfig = UpdateConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -206,6 +249,12 @@ class TrainConfig:
                 f"file I/O), got {self.output_dir!r}; put checkpoints on gs:// or other storage with "
                 f"checkpoint.directory (Orbax writes there) and keep output_dir local"
             )
+        if self.critic is not None and not self.advantage.needs_critic:
+            raise ValueError(
+                f"critic.* is set but advantage.estimator={self.advantage.estimator!r} uses no critic; the critic "
+                f"exists only with advantage.estimator=gae: set that, or remove the critic section")
+        if self.advantage.needs_critic and self.critic is None:  # gae: the critic with its defaults
+            object.__setattr__(self, "critic", CriticConfig())
         if self.advantage.estimator in AdvantageConfig.GROUPED and self.rollout.group_size < 2:
             raise ValueError(
                 f"advantage.estimator={self.advantage.estimator!r} compares the samples of a prompt's group, "

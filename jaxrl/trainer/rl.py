@@ -11,10 +11,13 @@ Per step k, ``train_step_once`` runs, one stage per line:
 4. **recompute**: ``old_logp`` on the learner (or the engine's, with ``objective.bypass``) and
    the frozen reference's ``ref_logp`` when the objective's KL needs it
    (``jaxrl.models.scoring``);
-5. **advantages** once from the scores (``jaxrl.losses.advantages``);
+5. **advantages** once from the scores (``jaxrl.losses.advantages``); with ``advantage.estimator:
+   gae`` the critic first scores the batch, then token-level GAE (``jaxrl.trainer.critic``);
 6. **filter**: skip the update when the batch's engine-vs-learner mismatch is too large;
 7. **update**: ``update.mini_batches`` (S) optimizer steps over mini-batches of that fixed
-   batch, each accumulated over ``update.micro_batches`` (``jaxrl.trainer.update``);
+   batch, each accumulated over ``update.micro_batches`` (``jaxrl.trainer.update``); the
+   critic (when there is one) steps its own optimizer on the same mini-batches, and alone
+   during its ``critic.warmup_steps``;
 8. **push** the weights to the engine; the next step's batch verifies the push.
 
 Each stage returns its own metrics under its prefix (``jaxrl.trainer.stages``). Everything
@@ -45,8 +48,10 @@ from jaxrl.rollout.base import LogprobKind, PushVerificationError, RolloutEngine
 from jaxrl.rollout.config import make_engine
 from jaxrl.trainer import stages
 from jaxrl.trainer.batch import StepBatch
+from jaxrl.trainer.checkpoint import CheckpointMismatchError
 from jaxrl.trainer.model import build_model
 from jaxrl.trainer.config import TrainConfig
+from jaxrl.trainer.critic import Critic
 from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, end_step, open_run
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
@@ -85,11 +90,15 @@ class RLTrainer:
         self.mesh = make_mesh(config.mesh)
         model = build_model(config.model, self.mesh)
         self.length = sequence_row_length(data.max_prompt_tokens + config.rollout.max_new_tokens - 1, self.mesh)
-        self.total_updates = config.steps * config.update.mini_batches
+        # Policy updates: none during the critic's warm-up steps (the LR schedule counts real updates).
+        warmup = config.critic.warmup_steps if config.critic is not None else 0
+        self.total_updates = max(config.steps - warmup, 0) * config.update.mini_batches
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_updates)
         loss_fn = rl_loss_fn(config.objective, seed=config.seed, micro_batches=config.update.micro_batches,
                              chunk_size=config.update.logprob_chunk_size)
         self.train_step, self.state = make_train_step(model, optimizer, loss_fn, self.mesh)
+        # PPO with GAE: a separate value model from the policy's initial weights, its own optimizer.
+        self.critic = Critic(config, model, self.mesh) if config.critic is not None else None
         sequences = config.rollout.prompts_per_step * config.rollout.group_size
         rows = sequences // (config.update.mini_batches * config.update.micro_batches)
         self.scorer = LogprobScorer(self.train_step.graphdef, self.mesh, rows, config.update.logprob_chunk_size,
@@ -161,8 +170,14 @@ class RLTrainer:
             batch, recompute_metrics = stages.recompute(batch, self.scorer, self.state["params"], self.reference,
                                                         bypass=objective.bypass)
         self._dump(step, batch)
-        batch, advantage_metrics = stages.advantages(batch, scored.scores, valid, config.advantage, objective,
-                                                     r.group_size, greedy_scores)
+        if self.critic is None:
+            batch, advantage_metrics = stages.advantages(batch, scored.scores, valid, config.advantage, objective,
+                                                         r.group_size, greedy_scores)
+        else:
+            with clock("critic"):
+                batch, critic_metrics = self.critic.score(batch)
+            batch, advantage_metrics = self.critic.advantages(batch, scored, objective)
+            advantage_metrics.update(critic_metrics)
         skip, filter_metrics = stages.batch_filter_stage(batch, objective)
         with clock("update"):
             update_metrics = self._update(batch, step, skip)
@@ -196,12 +211,18 @@ class RLTrainer:
         """S optimizer steps over mini-batches of the fixed batch (each micro-batch-accumulated),
         none when the filter said ``skip``; metrics ``update/*``."""
         u = self.config.update
-        collected, padding = [], []
+        collected, padding, critic_collected = [], [], []
+        frozen = self.critic is not None and self.critic.policy_frozen(step)  # the critic's warm-up
         minis = batch.mini_batches(u.mini_batches, self.config.objective.aggregation, step, pack=u.pack,
                                    micro_batches=u.micro_batches, devices=batch_devices(self.mesh))
         for mini in minis if not skip else ():
             if mini.packed is not None:
                 padding.append(mini.packed.padding_fraction)
+            if self.critic is not None:  # the critic's step on the same rows; the policy's needs no values
+                critic_collected.append(self.critic.update(mini))
+                mini = mini.replace(tokens=mini.tokens.replace(values=None, returns=None))
+            if frozen:
+                continue
             # Placed on the mesh here: jit refuses numpy inputs for arrays spread over processes.
             mini = jax.device_put(mini, batch_shardings(mini, self.mesh))
             self.state, metrics = self.train_step(self.state, mini)
@@ -215,16 +236,21 @@ class RLTrainer:
         if padding:  # what packing saved: the padding of the rows the learner ran, unpacked and packed
             averaged["padding_fraction"] = float(np.mean(padding))
             averaged["padding_fraction_unpacked"] = 1.0 - batch.num_tokens / np.size(batch.segment_ids)
-        return {**stages.update_names(averaged), **self.guard.metrics(),
-                "update/lr": float(self.schedule(max(step * u.mini_batches - 1, 0))),
+        critic = {} if self.critic is None else self.critic.update_metrics(critic_collected, step, frozen)
+        warmup = 0 if self.critic is None else self.critic.warmup_steps
+        return {**stages.update_names(averaged), **self.guard.metrics(), **critic,
+                "update/lr": float(self.schedule(max((step - warmup) * u.mini_batches - 1, 0))),
                 "update/skipped_total": self.skipped_updates}
 
     def _verify_previous_push(self, version: str, batch: StepBatch, update_metrics: dict) -> None:
         """The logprob spot check of the previous push, on this step's whole batch (only raw
         logprobs are what the learner recomputes; processed ones differ by design). Under bypass
-        the first mini-batch's loss measured the gap."""
+        the first mini-batch's loss measured the gap; during the critic's warm-up no policy loss
+        runs, and the weights the engine sampled with are the initial ones, checked after it."""
         r = self.config.rollout
         if not (r.verify_push and r.logprob_kind == LogprobKind.RAW):
+            return
+        if self.config.objective.bypass and update_metrics.get("critic/warmup"):
             return
         if self.config.objective.bypass:
             gap = (float(update_metrics.get("mismatch/abs_log_ratio_max", np.nan)),
@@ -277,13 +303,24 @@ class RLTrainer:
 
     def save(self) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.save(self.step, self.state, self._meta())
+            items = {"critic": self.critic.state} if self.critic is not None else None
+            self.checkpointer.save(self.step, self.state, self._meta(), items)
 
     def _restore(self) -> None:
         if self.checkpointer is None:
             raise ValueError("--resume needs checkpoint.directory (empty in this config): set it to the folder "
                              "the run saved its checkpoints in, e.g. checkpoint.directory=runs/x/checkpoints")
-        self.state, meta = self.checkpointer.restore(self.state)
+        if self.critic is None:
+            self.state, meta = self.checkpointer.restore(self.state)
+        else:
+            try:
+                self.state, meta, items = self.checkpointer.restore_with_items(
+                    self.state, {"critic": self.critic.state})
+            except CheckpointMismatchError as e:
+                raise CheckpointMismatchError(
+                    f"{e}; the critic exists only with advantage.estimator=gae, so resume this run with the "
+                    f"advantage.estimator it was started with, or start afresh") from None
+            self.critic.state = items["critic"]
         if self.reference is not None:
             log.warning("resume: the KL reference is the restored run's initial weights only if model.* points "
                         "at the same initial checkpoint")

@@ -1,7 +1,9 @@
 """The host-side stages of one RL step, each a function that returns its result and its own metrics.
 
 A stage's metrics carry its prefix and no other stage writes them: ``rollout/``,
-``reward/``, ``recompute/``, ``advantage/``, ``filter/``, ``update/``, ``push/``. The
+``reward/``, ``recompute/``, ``advantage/``, ``filter/``, ``update/``, ``push/``, and with
+a critic (PPO with GAE) ``critic/`` for its scoring and its update (``jaxrl.trainer.critic``,
+whose GAE stage replaces :func:`advantages`). The
 engine-vs-learner divergences ``mismatch/*`` (and ``mismatch_bucket/*``) are measured once per
 step, before the update: by the recompute, or with ``objective.bypass`` (no recompute) on
 the update's first mini-batch.

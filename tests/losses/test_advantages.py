@@ -213,7 +213,11 @@ def test_advantage_config_choices_are_the_registry():
     import typing
 
     hints = typing.get_type_hints(adv_lib.AdvantageConfig)
-    assert typing.get_args(hints["estimator"]) == tuple(adv_lib.ADVANTAGE_ESTIMATORS)
+    assert typing.get_args(hints["estimator"]) == adv_lib.ESTIMATOR_CHOICES
+    assert adv_lib.ESTIMATOR_CHOICES == (*adv_lib.ADVANTAGE_ESTIMATORS, *adv_lib.TOKEN_ADVANTAGE_ESTIMATORS)
+    assert adv_lib.TOKEN_ADVANTAGE_ESTIMATORS == {"gae": losses.gae_advantages}
+    assert not set(adv_lib.TOKEN_ADVANTAGE_ESTIMATORS) & set(adv_lib.ADVANTAGE_ESTIMATORS)
+    assert adv_lib.AdvantageConfig(estimator="gae").needs_critic and not adv_lib.AdvantageConfig().needs_critic
     assert set(adv_lib.AdvantageConfig.GROUPED) < set(adv_lib.ADVANTAGE_ESTIMATORS)
     assert "reinforce" not in adv_lib.AdvantageConfig.GROUPED
 
@@ -223,8 +227,14 @@ def test_advantage_config_validation_names_the_field():
         adv_lib.AdvantageConfig(std_min=0.0)
     with pytest.raises(ValueError, match=r"advantage.std_min \(2.0\).*advantage.std_max \(1.0\)"):
         adv_lib.AdvantageConfig(std_min=2.0, std_max=1.0)
-    with pytest.raises(ValueError, match="advantage.estimator='ppo'.*'grpo'"):
+    with pytest.raises(ValueError, match="advantage.estimator='ppo'.*'grpo'.*'gae'"):
         adv_lib.AdvantageConfig(estimator="ppo")
+    for name, bad in (("gamma", 1.5), ("lam", -0.1), ("lam", True)):
+        with pytest.raises(ValueError, match=rf"advantage.{name}={bad!r} must be a number in \[0, 1\]"):
+            adv_lib.AdvantageConfig(estimator="gae", **{name: bad})
+    with pytest.raises(ValueError, match="advantage.estimator='gae' is token-level.*gae_advantages"):
+        adv_lib.sequence_advantages(adv_lib.AdvantageConfig(estimator="gae"), np.ones(4, np.float32),
+                                    np.ones(4, bool), 2)
 
 
 def test_sequence_advantages_grpo_leaves_invalid_samples_out():
