@@ -272,10 +272,7 @@ def _hand_rolled_critic(config, graphdef, initial, batches):
     loss, ``jax.grad``, then Adam in numpy (Kingma & Ba, Algorithm 1)."""
     c = config.critic
     params = jax.tree.map(jnp.asarray, initial)
-    leaves, treedef = jax.tree.flatten(params)
-    m = [np.zeros_like(np.asarray(x), np.float64) for x in leaves]
-    v = [np.zeros_like(np.asarray(x), np.float64) for x in leaves]
-    t = 0
+    adam = opts.NumpyAdam(params, lr=c.lr, b1=c.b1, b2=c.b2, eps=c.eps)
     for batch in batches:
         for _, mini in opts._mini_batches(opts.Run(config, None, None), batch):
             def loss(p, mini=mini):
@@ -283,16 +280,7 @@ def _hand_rolled_critic(config, graphdef, initial, batches):
                 token_loss, _ = clipped_value_loss(values, mini.values, mini.returns, mini.mask, clip=c.value_clip)
                 return jnp.sum(token_loss) / jnp.maximum(jnp.sum(mini.mask), 1.0)
 
-            grads = [np.asarray(g, np.float64) for g in jax.tree.leaves(jax.grad(loss)(params))]
-            t += 1
-            new = []
-            for i, (p, g) in enumerate(zip(jax.tree.leaves(params), grads, strict=True)):
-                m[i] = c.b1 * m[i] + (1 - c.b1) * g
-                v[i] = c.b2 * v[i] + (1 - c.b2) * g * g
-                m_hat, v_hat = m[i] / (1 - c.b1 ** t), v[i] / (1 - c.b2 ** t)
-                new.append(jnp.asarray(np.asarray(p, np.float64) - c.lr * m_hat / (np.sqrt(v_hat) + c.eps),
-                                       jnp.float32))
-            params = jax.tree.unflatten(treedef, new)
+            params = adam.step(params, jax.grad(loss)(params))
     return _host(params)
 
 

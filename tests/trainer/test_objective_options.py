@@ -122,16 +122,36 @@ def _mini_batches(run: Run, batch):
         yield s, jax.tree.map(lambda x, rows=rows: jnp.asarray(x[rows]), batch)
 
 
+class NumpyAdam:
+    """Adam written out in numpy, float64 moments (Kingma & Ba, Algorithm 1; no weight decay):
+    ``p - lr * m_hat / (sqrt(v_hat) + eps)``."""
+
+    def __init__(self, params, *, lr: float, b1: float, b2: float, eps: float):
+        self.lr, self.b1, self.b2, self.eps, self.t = lr, b1, b2, eps, 0
+        self.m = [np.zeros(np.shape(x), np.float64) for x in jax.tree.leaves(params)]
+        self.v = [np.zeros(np.shape(x), np.float64) for x in jax.tree.leaves(params)]
+
+    def step(self, params, grads):
+        """``params`` after one step with ``grads`` (a pytree like ``params``), float32 leaves."""
+        self.t += 1
+        new = []
+        for i, (p, g) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(grads), strict=True)):
+            g = np.asarray(g, np.float64)
+            self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
+            self.v[i] = self.b2 * self.v[i] + (1 - self.b2) * g * g
+            m_hat, v_hat = self.m[i] / (1 - self.b1 ** self.t), self.v[i] / (1 - self.b2 ** self.t)
+            new.append(jnp.asarray(np.asarray(p, np.float64) - self.lr * m_hat / (np.sqrt(v_hat) + self.eps),
+                                   jnp.float32))
+        return jax.tree.unflatten(jax.tree.structure(params), new)
+
+
 def _hand_rolled(run: Run, objective: losses.ObjectiveConfig | None = None):
     """The parameters after the run's updates, stepped here: ``rl_objective`` (with ``objective``,
     default the run's) on each mini-batch of each recorded batch, ``jax.grad``, then Adam in numpy."""
     objective = objective or run.config.objective
     o = run.config.optimizer
     params = jax.tree.map(jnp.asarray, run.initial)
-    leaves, treedef = jax.tree.flatten(params)
-    m = [np.zeros_like(np.asarray(x)) for x in leaves]
-    v = [np.zeros_like(np.asarray(x)) for x in leaves]
-    t = 0
+    adam = NumpyAdam(params, lr=LR, b1=o.b1, b2=o.b2, eps=EPS)
     for step, (batch, skip) in enumerate(zip(run.batches, run.skips, strict=True), start=1):
         if skip:
             continue
@@ -145,15 +165,7 @@ def _hand_rolled(run: Run, objective: losses.ObjectiveConfig | None = None):
                                            rollout_logp=mini.rollout_logp, ref_logp=mini.ref_logp, entropy=entropy,
                                            normalizer=normalizer, key=key)[0]
 
-            grads = [np.asarray(g, np.float64) for g in jax.tree.leaves(jax.grad(loss)(params))]
-            t += 1
-            new = []
-            for i, (p, g) in enumerate(zip(jax.tree.leaves(params), grads, strict=True)):
-                m[i] = o.b1 * m[i] + (1 - o.b1) * g
-                v[i] = o.b2 * v[i] + (1 - o.b2) * g * g
-                m_hat, v_hat = m[i] / (1 - o.b1 ** t), v[i] / (1 - o.b2 ** t)
-                new.append(jnp.asarray(np.asarray(p, np.float64) - LR * m_hat / (np.sqrt(v_hat) + EPS), jnp.float32))
-            params = jax.tree.unflatten(treedef, new)
+            params = adam.step(params, jax.grad(loss)(params))
     return _host(params)
 
 
