@@ -27,7 +27,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.layers import F32, MLP, Attention, MoE, RMSNorm, make_param
+from jaxrl.models.layers import F32, MLP, Attention, MoE, RMSNorm, make_param, write_rows
 from jaxrl.models.linear_layers import GatedDeltaNet, LightningAttention
 from jaxrl.models.lm_head import token_logprobs_and_entropy
 from jaxrl.models.sharding import constrain
@@ -53,7 +53,8 @@ REMAT_POLICIES = {
 
 class DecodeCache(NamedTuple):
     """Per-layer caches (layer i's from its attention kind), the segment id of each cache row
-    [B, S] int32 (0 = empty or padding) and the next row to write, per batch row [B] int32."""
+    [B, S] int32 (0 = empty or padding) and the next row to write: per batch row [B] int32, or
+    one row shared by every batch row [] int32 (`init_cache(..., shared_index=True)`)."""
 
     layers: tuple[Any, ...]
     segment_ids: jax.Array
@@ -139,15 +140,20 @@ class Decoder(nnx.Module):
         """[D, V] unembedding in the parameter dtype (the embedding transposed when tied)."""
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
-    def init_cache(self, batch: int, max_len: int) -> DecodeCache:
+    def init_cache(self, batch: int, max_len: int, *, shared_index: bool = False) -> DecodeCache:
         """An empty decode cache for `batch` rows of at most `max_len` tokens (prompt included).
-        Writing past `max_len` is not checked inside jit: size it for prompt + new tokens."""
+        Writing past `max_len` is not checked inside jit: size it for prompt + new tokens.
+
+        `shared_index`: every batch row writes the same cache row at each call (left-padded
+        prompts, one token per row per decode step, as the embedded sampler runs). The write is
+        then one dynamic-update-slice per cache array, where per-row indices compile to scatters
+        over the whole cache (bench/vs_tunix.py measures the difference)."""
         if batch <= 0 or max_len <= 0:
             raise ValueError(f"init_cache needs positive batch and max_len, got batch={batch}, max_len={max_len}")
         return DecodeCache(
             layers=tuple(block.attn.init_cache(batch, max_len) for block in self.layers),
             segment_ids=jnp.zeros((batch, max_len), jnp.int32),
-            index=jnp.zeros((batch,), jnp.int32))
+            index=jnp.zeros(() if shared_index else (batch,), jnp.int32))
 
     def __call__(self, input_ids, positions, segment_ids=None, *, cache: DecodeCache | None = None,
                  capture: bool = False) -> DecoderOutput:
@@ -167,8 +173,7 @@ class Decoder(nnx.Module):
         write_index = kv_segment_ids = None
         if cache is not None:
             write_index = cache.index
-            kv_segment_ids = jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))(
-                cache.segment_ids, segment_ids, write_index, 0)
+            kv_segment_ids = write_rows(cache.segment_ids, segment_ids, write_index)
         remat = c.remat != "none" and cache is None
         block_call = (nnx.remat(Block.__call__, policy=REMAT_POLICIES[c.remat]) if remat else Block.__call__)
         layer_caches, probs, experts = [], [], []

@@ -77,6 +77,16 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | N
     return jnp.concatenate([rot * jnp.cos(angles) + rotated * jnp.sin(angles), rest], axis=-1)
 
 
+def write_rows(buffer: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+    """`buffer [B, S, ...]` with `new [B, T, ...]` written at rows `index .. index + T - 1` along
+    axis 1: one row per batch row (`index [B]`) or the same row for all (`index []`, a single
+    dynamic-update-slice)."""
+    if index.ndim == 0:
+        return jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), index, axis=1)
+    return jax.vmap(lambda b, n, i: jax.lax.dynamic_update_slice_in_dim(b, n, i, axis=0))(
+        buffer, new.astype(buffer.dtype), index)
+
+
 class Attention(nnx.Module):
     """Softmax grouped-query attention with RoPE and per-head q/k RMSNorm (Qwen3).
 
@@ -117,7 +127,7 @@ class Attention(nnx.Module):
     def __call__(self, x, *, positions, segment_ids, cache=None, kv_segment_ids=None, write_index=None):
         """x: [B, T, D]; positions, segment_ids: [B, T] int. With a cache, `kv_segment_ids` [B, S]
         are the cache's segment ids after this write and `write_index` [B] the first cache row
-        written. Returns (y [B, T, D] float32, new cache or None)."""
+        written ([] when all rows share it). Returns (y [B, T, D] float32, new cache or None)."""
         c, dtype = self.config, self.config.compute_dtype
         q = matmul(x, self.q_proj[...], "btd,dhk->bthk", dtype)
         k = matmul(x, self.k_proj[...], "btd,dhk->bthk", dtype)
@@ -134,10 +144,9 @@ class Attention(nnx.Module):
         if cache is None:
             kv_slot, kv_segment_ids = q_slot, segment_ids
         else:
-            write = jax.vmap(lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, axis=0))
-            cache = {"k": write(cache["k"], k, write_index), "v": write(cache["v"], v, write_index)}
+            cache = {"k": write_rows(cache["k"], k, write_index), "v": write_rows(cache["v"], v, write_index)}
             k, v = cache["k"], cache["v"]
-            q_slot = q_slot + write_index[:, None]
+            q_slot = q_slot + (write_index if write_index.ndim == 0 else write_index[:, None])
             kv_slot = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), kv_segment_ids.shape)
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)

@@ -17,8 +17,8 @@ PROMPT, NEW = 6, 4
 
 
 
-def prefill_and_decode(model, ids, positions, segments, prefill_chunks):
-    cache = model.init_cache(ids.shape[0], PROMPT + NEW + 2)
+def prefill_and_decode(model, ids, positions, segments, prefill_chunks, shared_index=False):
+    cache = model.init_cache(ids.shape[0], PROMPT + NEW + 2, shared_index=shared_index)
     pieces, start = [], 0
     for stop in list(prefill_chunks) + list(range(PROMPT + 1, PROMPT + NEW + 1)):
         logits, cache = decode(model, *(jnp.asarray(a[:, start:stop]) for a in (ids, positions, segments)), cache)
@@ -28,12 +28,16 @@ def prefill_and_decode(model, ids, positions, segments, prefill_chunks):
     return np.concatenate(pieces, axis=1)
 
 
-@pytest.mark.parametrize("hf_config,left,prefill_chunks", [
-    (qwen3_config(tie=True), True, (PROMPT,)),
-    (qwen3_moe_config(), False, (PROMPT,)),
-    (qwen3_moe_config(), True, (2, PROMPT)),
-], ids=["dense-left-pad", "moe-right-pad-ragged", "moe-left-pad-chunked-prefill"])
-def test_decode_matches_transformers_and_full_forward(tmp_path, hf_config, left, prefill_chunks):
+@pytest.mark.parametrize("hf_config,left,prefill_chunks,shared_index", [
+    (qwen3_config(tie=True), True, (PROMPT,), False),
+    (qwen3_config(tie=True), True, (PROMPT,), True),
+    (qwen3_moe_config(), False, (PROMPT,), False),
+    (qwen3_moe_config(), True, (2, PROMPT), True),
+], ids=["dense-left-pad", "dense-left-pad-shared-index", "moe-right-pad-ragged",
+        "moe-left-pad-chunked-prefill-shared-index"])
+def test_decode_matches_transformers_and_full_forward(tmp_path, hf_config, left, prefill_chunks, shared_index):
+    """Left-padded rows write every step at the same cache row, so they may share one write index
+    (the embedded sampler's layout: one dynamic-update-slice per cache array, no scatter)."""
     reference = random_model(hf_config, seed=4)
     reference.save_pretrained(tmp_path)
     model = load_hf_checkpoint(str(tmp_path))
@@ -47,7 +51,7 @@ def test_decode_matches_transformers_and_full_forward(tmp_path, hf_config, left,
         pads = slice(0, PROMPT - n) if left else slice(n, PROMPT)
         segments[row, pads] = 0
         positions[row] = np.where(segments[row] == 1, np.cumsum(segments[row]) - 1, 0)
-    decoded = prefill_and_decode(model, ids, positions, segments, prefill_chunks)
+    decoded = prefill_and_decode(model, ids, positions, segments, prefill_chunks, shared_index)
     real = segments == 1
     for row in range(3):
         seq = ids[row][real[row]]

@@ -147,6 +147,28 @@ def test_top_k_and_top_p_mask_exactly_the_right_tokens():
     assert np.isfinite(np.asarray(jitted(tie, 1.0, 2, 1.0)))[0].nonzero()[0].tolist() == [1, 2]
 
 
+def test_top_k_top_p_support_equals_a_stable_argsort_reference_with_many_ties():
+    """The sampler sorts values only (no permutation); the support must still be the first n tokens
+    of a stable descending argsort (lower id first on ties), checked on logits with heavy ties and
+    negative values, against numpy."""
+    rng = np.random.default_rng(7)
+    logits = np.round(rng.normal(size=(6, 40)) * 2) / 2  # steps of 0.5: many ties, signs mixed
+    logits[0] = 0.0  # one row all tied
+    logits = logits.astype(np.float32)
+    jitted = jax.jit(processed_logits)
+    for temperature, top_k, top_p in [(1.0, 5, 1.0), (0.7, 0, 0.5), (1.3, 12, 0.8), (1.0, 1, 0.3), (1.0, 40, 0.99),
+                                      (1.0, 0, 1.0), (0.9, 3, 0.05)]:
+        got = np.isfinite(np.asarray(jitted(jnp.asarray(logits), temperature, top_k, top_p)))
+        for row, want_logits in zip(got, logits / np.float32(temperature), strict=True):
+            order = np.argsort(-want_logits, kind="stable")
+            k = top_k if top_k > 0 else len(order)
+            probs = np.exp(want_logits[order[:k]] - want_logits[order[0]])
+            probs /= probs.sum()
+            before = np.cumsum(probs) - probs
+            n = int(np.sum(before < top_p)) if top_p < 1 else k
+            assert sorted(row.nonzero()[0].tolist()) == sorted(order[:max(n, 1)].tolist()), (temperature, top_k, top_p)
+
+
 def test_sampled_tokens_stay_in_the_top_k_of_the_full_forward(model, sampler):
     prompts = PROMPTS
     out = sampler.generate(prompts, SamplingParams(temperature=1.0, top_k=3, max_new_tokens=8, seed=3))
