@@ -34,6 +34,7 @@ a rollout batch of prompt groups.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -369,6 +370,13 @@ def _per_sample_input(name: str, values, n: int, valid: np.ndarray, why: str) ->
     return values
 
 
+@functools.cache
+def _jitted_estimator(name: str, options: tuple[str, ...]):
+    """One compiled program per estimator and option values (the options are static), not a
+    dispatch per array operation on every step."""
+    return jax.jit(ADVANTAGE_ESTIMATORS[name], static_argnames=options)
+
+
 def sequence_advantages(config: AdvantageConfig, scores: np.ndarray, valid: np.ndarray, group_size: int, *,
                         lengths: np.ndarray | None = None,
                         baselines: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
@@ -421,7 +429,7 @@ def sequence_advantages(config: AdvantageConfig, scores: np.ndarray, valid: np.n
         baselines = _per_sample_input("baselines", baselines, n, valid,
                                       f"the greedy reward of each prompt, [{num_prompts}] or [{n}], for 'remax'")
         arrays = (jnp.asarray(baselines),)
-    adv, _ = ADVANTAGE_ESTIMATORS[config.estimator](
+    adv, _ = _jitted_estimator(config.estimator, tuple(options))(
         jnp.asarray(scores, jnp.float32), *arrays, mask=jnp.asarray(valid, bool), **options)
     # The estimator's own zero-variance count is of the whole batch for "reinforce": the
     # fraction below counts prompt groups, valid samples only, whatever the estimator.

@@ -17,7 +17,6 @@ import dataclasses
 from typing import Any, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.align.dump import AlignmentBatch
@@ -28,6 +27,9 @@ from jaxrl.models.packing import PackedRows, pack_rows
 # The fields the loss reads; the rest (``generated``, ``prompt_lengths``) stay on the host.
 _UPDATE_FIELDS = ("input_ids", "positions", "segment_ids", "targets", "mask", "rollout_logp", "old_logp", "ref_logp",
                   "advantages", "values", "returns")
+
+
+_loss_normalizer = jax.jit(loss_normalizer, static_argnums=0)
 
 
 @jax.tree_util.register_dataclass
@@ -144,7 +146,7 @@ class StepBatch:
             if pack:
                 packed = pack_rows(*tokens.model_inputs(), groups=micro_batches, devices=devices)
                 tokens = tokens.replace(input_ids=None, positions=None, segment_ids=None, targets=None)
-            normalizer = np.float32(loss_normalizer(aggregation, jnp.asarray(tokens.mask)))
+            normalizer = np.float32(_loss_normalizer(aggregation, tokens.mask))
             yield UpdateBatch(tokens=tokens, normalizer=normalizer, key_seed=np.int32(step * count + s), packed=packed)
 
     def token_aligned(self, meta: dict) -> AlignmentBatch:

@@ -94,7 +94,9 @@ class RLTrainer:
         warmup = config.critic.warmup_steps if config.critic is not None else 0
         self.total_updates = max(config.steps - warmup, 0) * config.update.mini_batches
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_updates)
-        loss_fn = rl_loss_fn(config.objective, seed=config.seed, micro_batches=config.update.micro_batches,
+        self.objective, why = stages.objective_for_run(config, builds_engine=engine is None)
+        log.info("old_logp: %s", why)
+        loss_fn = rl_loss_fn(self.objective, seed=config.seed, micro_batches=config.update.micro_batches,
                              chunk_size=config.update.logprob_chunk_size)
         self.train_step, self.state = make_train_step(model, optimizer, loss_fn, self.mesh)
         # PPO with GAE: a separate value model from the policy's initial weights, its own optimizer.
@@ -105,7 +107,7 @@ class RLTrainer:
                                     pack=config.update.pack, devices=batch_devices(self.mesh))
         needs_reference = config.objective.kl_kind != "none" or config.update.reference_metrics
         # The frozen reference: a copy of the initial parameters, sharded like them, no optimizer state.
-        self.reference = jax.tree.map(jnp.copy, self.state["params"]) if needs_reference else None
+        self.reference = _copy(self.state["params"]) if needs_reference else None
         self.step = 0
         self.skipped_updates = 0
         self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
@@ -152,7 +154,7 @@ class RLTrainer:
         ), flat
 
     def train_step_once(self) -> dict[str, Any]:
-        config, r, objective = self.config, self.config.rollout, self.config.objective
+        config, r, objective = self.config, self.config.rollout, self.objective
         step, clock = self.step + 1, _StageClock()
         examples = next(self.iterator)
         greedy_scores = None
@@ -213,7 +215,7 @@ class RLTrainer:
         u = self.config.update
         collected, padding, critic_collected = [], [], []
         frozen = self.critic is not None and self.critic.policy_frozen(step)  # the critic's warm-up
-        minis = batch.mini_batches(u.mini_batches, self.config.objective.aggregation, step, pack=u.pack,
+        minis = batch.mini_batches(u.mini_batches, self.objective.aggregation, step, pack=u.pack,
                                    micro_batches=u.micro_batches, devices=batch_devices(self.mesh))
         for mini in minis if not skip else ():
             if mini.packed is not None:
@@ -250,9 +252,9 @@ class RLTrainer:
         r = self.config.rollout
         if not (r.verify_push and r.logprob_kind == LogprobKind.RAW):
             return
-        if self.config.objective.bypass and update_metrics.get("critic/warmup"):
+        if self.objective.bypass and update_metrics.get("critic/warmup"):
             return
-        if self.config.objective.bypass:
+        if self.objective.bypass:
             gap = (float(update_metrics.get("mismatch/abs_log_ratio_max", np.nan)),
                    int(update_metrics.get("mismatch/num_tokens", 0)))
         else:
@@ -379,6 +381,12 @@ class RLTrainer:
         self.engine.close()
         if self.manager is not None:
             self.manager.stop()
+
+
+def _copy(tree):
+    """A copy of the train state's parameters (one sharding per leaf, all on the mesh) in new
+    buffers, as one compiled program rather than one per leaf shape."""
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(lambda x: x.sharding, tree))(tree)
 
 
 def _seed(seed: int, step: int) -> int:

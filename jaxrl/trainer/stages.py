@@ -11,8 +11,10 @@ the update's first mini-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -20,7 +22,9 @@ from jaxrl.losses import (ObjectiveConfig, batch_filter, kl_in_reward, mismatch_
                           mismatch_metrics_by_rollout_prob)
 from jaxrl.losses.advantages import AdvantageConfig, sequence_advantages
 from jaxrl.models.scoring import LogprobScorer
+from jaxrl.rollout.base import LogprobKind
 from jaxrl.trainer.batch import StepBatch
+from jaxrl.trainer.config import TrainConfig
 
 
 def rollout_metrics(samples: list) -> dict[str, float]:
@@ -46,13 +50,44 @@ def reward_metrics(scored) -> dict[str, float]:
     return metrics
 
 
+def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[ObjectiveConfig, str]:
+    """The objective the run trains with, and why (a line for the log).
+
+    With ``update.recompute_old_logp: when_needed`` the learner's recompute of ``old_logp`` is
+    skipped, through the bypass path (the engine's logprobs as ``old_logp``, the mismatch
+    measured on the update's first mini-batch), when it is redundant: the trainer's own embedded
+    sampler generates from the learner's parameter arrays, so its raw logprobs are the learner's
+    up to the float32 residual of decoding (jaxrl.rollout.sampler), and a single mini-batch
+    means the update's first forward is that same policy. Anything that reads the
+    learner-versus-engine ratio (a mismatch correction or rejection, the batch filter) needs the
+    recompute and keeps it.
+    """
+    objective, u = config.objective, config.update
+    if u.recompute_old_logp == "always" or objective.bypass:
+        return objective, "the learner recomputes old_logp" if not objective.bypass else "objective.bypass"
+    blockers = [why for failed, why in (
+        (not builds_engine or config.rollout.engine != "embedded", "the engine is not the trainer's embedded sampler"),
+        (config.rollout.logprob_kind != LogprobKind.RAW, "rollout.logprob_kind is not raw"),
+        (u.mini_batches != 1, f"update.mini_batches={u.mini_batches} (later mini-batches are off-policy)"),
+    ) if failed]
+    try:
+        fast = dataclasses.replace(objective, bypass=True)
+    except ValueError:
+        blockers.append("the objective reads the learner-versus-engine ratio (a mismatch correction, rejection "
+                        "or the batch filter)")
+    if blockers:
+        return objective, "update.recompute_old_logp=when_needed keeps the recompute: " + "; ".join(blockers)
+    return fast, "update.recompute_old_logp=when_needed: old_logp is the embedded sampler's own (no recompute)"
+
+
 def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, bypass: bool
               ) -> tuple[StepBatch, dict[str, float]]:
     """``old_logp`` from the learner (or the engine's own under ``bypass``) and ``ref_logp``
     from the frozen ``reference`` parameters (when not None).
 
     Metrics: ``recompute/entropy``, the policy's token entropy on the whole batch before the
-    update, and the mismatch between the recompute and the engine's logprobs.
+    update, and the mismatch between the recompute and the engine's logprobs, all from one
+    jitted program and one transfer to the host.
     """
     metrics: dict[str, float] = {}
     if bypass:
@@ -60,18 +95,24 @@ def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, byp
     else:
         old_logp, entropy = scorer(params, *batch.model_inputs())
         batch = batch.replace(old_logp=old_logp)
-        metrics["recompute/entropy"] = _masked_mean(entropy, batch.mask)
-        metrics.update(measured_mismatch(batch))
+        statistics = jax.device_get(_recompute_statistics(old_logp, batch.rollout_logp, batch.mask, entropy))
+        metrics["recompute/entropy"] = float(statistics.pop("entropy"))
+        metrics.update(mismatch_names(statistics.pop("mismatch")))
+        metrics.update(_bucketed(statistics.pop("buckets")))
     if reference is not None:
         batch = batch.replace(ref_logp=scorer(reference, *batch.model_inputs())[0])
     return batch, metrics
 
 
-def measured_mismatch(batch: StepBatch) -> dict[str, float]:
-    """``mismatch/*`` over the masked tokens, ``mismatch_bucket/*`` per rollout-probability bucket
-    (docs/losses.md#mismatch-metrics: the mismatch concentrates on low-probability tokens)."""
-    pair = (jnp.asarray(batch.old_logp), jnp.asarray(batch.rollout_logp), jnp.asarray(batch.mask))
-    return {**mismatch_names(mismatch_metrics(*pair)), **_bucketed(mismatch_metrics_by_rollout_prob(*pair))}
+@jax.jit
+def _recompute_statistics(old_logp, rollout_logp, mask, entropy) -> dict[str, Any]:
+    """The masked mean entropy, ``mismatch/*`` over the masked tokens and the same per
+    rollout-probability bucket (docs/losses.md#mismatch-metrics: the mismatch concentrates on
+    low-probability tokens), in one program."""
+    weights = jnp.asarray(mask, jnp.float32)
+    return {"entropy": jnp.sum(entropy * weights) / jnp.maximum(jnp.sum(weights), 1.0),
+            "mismatch": mismatch_metrics(old_logp, rollout_logp, mask),
+            "buckets": mismatch_metrics_by_rollout_prob(old_logp, rollout_logp, mask)}
 
 
 def mismatch_names(metrics: dict) -> dict[str, float]:
@@ -94,9 +135,8 @@ def advantages(batch: StepBatch, scores: np.ndarray, valid: np.ndarray, config: 
     prompt) is the baseline of "remax"; "opo" weighs its baseline by the generated lengths."""
     rewards = scores
     if objective.kl_in_reward_coef > 0:
-        rewards = np.asarray(kl_in_reward(
-            jnp.asarray(scores), jnp.asarray(batch.old_logp), jnp.asarray(batch.ref_logp), jnp.asarray(batch.mask),
-            coef=objective.kl_in_reward_coef))
+        rewards = np.asarray(_kl_in_reward(scores, batch.old_logp, batch.ref_logp, batch.mask,
+                                           coef=objective.kl_in_reward_coef))
     lengths = np.asarray(batch.generated).sum(axis=1)
     adv, metrics = sequence_advantages(config, rewards, valid, group_size, lengths=lengths, baselines=greedy_scores)
     if greedy_scores is not None:
@@ -109,10 +149,14 @@ def batch_filter_stage(batch: StepBatch, objective: ObjectiveConfig) -> tuple[bo
     on this batch (``objective.batch_filter_threshold``; never under bypass, which has no recompute)."""
     if objective.batch_filter_threshold is None or objective.bypass:
         return False, {}
-    skip, metrics = batch_filter(
-        jnp.asarray(batch.old_logp), jnp.asarray(batch.rollout_logp), jnp.asarray(batch.mask),
-        threshold=objective.batch_filter_threshold, metric=objective.batch_filter_metric)
+    skip, metrics = jax.device_get(_batch_filter(
+        batch.old_logp, batch.rollout_logp, batch.mask,
+        threshold=objective.batch_filter_threshold, metric=objective.batch_filter_metric))
     return bool(skip), {f"filter/{k.removeprefix('batch_filter_')}": float(v) for k, v in metrics.items()}
+
+
+_kl_in_reward = jax.jit(kl_in_reward, static_argnames=("coef",))
+_batch_filter = jax.jit(batch_filter, static_argnames=("threshold", "metric"))
 
 
 def update_names(metrics: dict[str, Any]) -> dict[str, float]:
@@ -125,10 +169,6 @@ def update_names(metrics: dict[str, Any]) -> dict[str, float]:
         else:
             out[name if name.startswith("update/") else f"update/{name}"] = float(value)
     return out
-
-
-def _masked_mean(values: np.ndarray, mask: np.ndarray) -> float:
-    return float((values * mask).sum() / max(float(mask.sum()), 1.0))
 
 
 def _bucketed(metrics: dict) -> dict[str, float]:

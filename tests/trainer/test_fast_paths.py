@@ -1,0 +1,90 @@
+"""The trainer's fast paths, proven where users turn them on: ``update.recompute_old_logp``."""
+
+import logging
+
+import pytest
+
+from jaxrl.models.scoring import LogprobScorer
+from jaxrl.trainer.metrics import read_jsonl
+from jaxrl.trainer.rl import RLTrainer
+
+import test_loop
+from test_loop import _run, make_config
+
+files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
+
+KL = {"kl_kind": "k3-as-loss", "kl_coef": 0.04}
+
+
+def _scorer_calls(monkeypatch) -> list[int]:
+    """Counts the learner forwards of the recompute stage (old_logp and the reference's ref_logp)."""
+    calls = []
+    original = LogprobScorer.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LogprobScorer, "__call__", counted)
+    return calls
+
+
+def test_when_needed_skips_the_redundant_recompute_and_trains_as_the_recomputing_run(files, tmp_path,
+                                                                                     monkeypatch):
+    """Embedded sampler, one mini-batch, raw logprobs, a KL to the reference: with
+    ``when_needed`` the recompute stage runs the reference's forward only (one scorer call per
+    step, not two), the mismatch is still measured (on the update's first mini-batch), and the
+    first update is the recomputing run's: the two differ only by old_logp = the sampler's
+    logprobs, equal to the learner's up to the float32 decode residual (~1e-6 nats), so the PPO
+    ratios are 1 up to that residual and loss and gradient norm agree to ~1e-6 relative."""
+    rows = {}
+    for mode in ("always", "when_needed"):
+        calls = _scorer_calls(monkeypatch)
+        _run(make_config(files, tmp_path / mode, steps=2, objective=KL, update={"recompute_old_logp": mode}))
+        rows[mode] = read_jsonl(str(tmp_path / mode / "metrics.jsonl"))
+        assert len(calls) == {"always": 4, "when_needed": 2}[mode], mode
+        monkeypatch.undo()
+    fast, slow = rows["when_needed"][0], rows["always"][0]
+    assert "recompute/entropy" in slow and "recompute/entropy" not in fast  # no policy forward before the update
+    assert fast["mismatch/num_tokens"] == slow["mismatch/num_tokens"] > 0
+    assert fast["mismatch/abs_log_ratio_max"] < 1e-4 and slow["mismatch/abs_log_ratio_max"] < 1e-4
+    for name in ("update/loss", "update/grad_norm", "update/kl_k3"):
+        assert fast[name] == pytest.approx(slow[name], rel=1e-4, abs=1e-7), name
+    assert fast["reward/mean"] == slow["reward/mean"]  # the same samples: same weights, same seeds
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"update": {"mini_batches": 2}}, "update.mini_batches=2"),
+    ({"objective": {"mismatch_correction": "token-tis"}}, "learner-versus-engine ratio"),
+    ({"objective": {"batch_filter_threshold": 1.0}}, "learner-versus-engine ratio"),
+    ({"rollout": {"logprob_kind": "processed", "temperature": 0.7}}, "logprob_kind is not raw"),
+])
+def test_when_needed_keeps_the_recompute_where_it_is_needed(files, tmp_path, caplog, change, reason):
+    """Later mini-batches are off-policy, corrections and the batch filter read the
+    learner-versus-engine ratio, processed logprobs are not the learner's: each keeps the
+    recompute (the objective is not switched to bypass) and the log says why."""
+    sections = {"update": {"recompute_old_logp": "when_needed", **change.get("update", {})}}
+    sections.update({k: v for k, v in change.items() if k != "update"})
+    with caplog.at_level(logging.INFO, logger="jaxrl.trainer.rl"):
+        trainer = RLTrainer(make_config(files, tmp_path / "run", **sections))
+    try:
+        assert not trainer.objective.bypass
+        assert any("keeps the recompute" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+    finally:
+        trainer.close()
+
+
+def test_when_needed_with_an_external_engine_keeps_the_recompute(files, tmp_path):
+    """An engine handed to the trainer is not provably the learner's own arrays."""
+    from jaxrl.rollout.sampler import JaxSampler
+
+    config = make_config(files, tmp_path / "run", update={"recompute_old_logp": "when_needed"})
+    probe = RLTrainer(config)
+    engine = JaxSampler(probe.model(), max_cache_len=32)
+    probe.close()
+    trainer = RLTrainer(make_config(files, tmp_path / "run2", update={"recompute_old_logp": "when_needed"}),
+                        engine=engine)
+    try:
+        assert not trainer.objective.bypass
+    finally:
+        trainer.close()
