@@ -38,8 +38,35 @@ def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str |
 
 
 def matmul(x: jax.Array, w: jax.Array, dims: str, dtype) -> jax.Array:
-    """einsum with inputs cast to the compute dtype and float32 accumulation/output."""
-    return jnp.einsum(dims, x.astype(dtype), w.astype(dtype), preferred_element_type=F32)
+    """einsum with inputs cast to the compute dtype and float32 accumulation/output.
+
+    A projection (``x``'s leading dims kept, its trailing dims contracted with ``w``'s leading
+    ones, ``w``'s trailing dims appended, e.g. ``"btd,dhk->bthk"``) runs as one 2-D matmul on
+    flattened operands. The same sums; but XLA:CPU lays a 3-D einsum's backward out with a
+    transposed copy of each activation gradient (measured: an MLP's forward and backward at
+    752 tokens x 256 x 1024 took 23 ms as einsums, 10 ms as 2-D matmuls).
+    """
+    x, w = x.astype(dtype), w.astype(dtype)
+    plan = _projection_plan(dims, x.ndim, w.ndim)
+    if plan is None:
+        return jnp.einsum(dims, x, w, preferred_element_type=F32)
+    kept, contracted = plan
+    rows, inner = x.shape[:x.ndim - contracted], x.shape[x.ndim - contracted:]
+    out = jnp.dot(x.reshape(-1, math.prod(inner)), w.reshape(math.prod(inner), -1), preferred_element_type=F32)
+    return out.reshape(*rows, *w.shape[contracted:])
+
+
+@functools.lru_cache(maxsize=None)
+def _projection_plan(dims: str, x_rank: int, w_rank: int) -> tuple[int, int] | None:
+    """(kept dims of x, contracted dims) when ``dims`` is a projection as :func:`matmul` describes, else None."""
+    inputs, out = dims.replace("...", "@").split("->")
+    lhs, rhs = inputs.split(",")
+    shared = [c for c in lhs if c in rhs]
+    contracted = len(shared)
+    if ("@" in rhs or not contracted or lhs[len(lhs) - contracted:] != "".join(shared)
+            or rhs[:contracted] != "".join(shared) or out != lhs[:len(lhs) - contracted] + rhs[contracted:]):
+        return None
+    return x_rank - contracted, contracted
 
 
 class RMSNorm(nnx.Module):
