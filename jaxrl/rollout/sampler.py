@@ -148,9 +148,12 @@ def _row_keys(seed, job):
     return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(job[:, 0], job[:, 1])
 
 
-def _generate(graphdef, state, prompt_ids, prompt_lengths, row_keys, temperature, top_k, top_p,
+def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, temperature, top_k, top_p,
               stop_ids, max_new_tokens, *, new_token_bucket: int, cache_len: int):
-    """Prefill + decode loop. prompt_ids [B, P] left-padded; prompt_lengths [B] (0 = padding row).
+    """Prefill + decode loop. prompt_ids [U, P] the distinct prompts, left-padded, of
+    prompt_lengths [U] tokens; rows [B]: the prompt of each sequence, -1 for padding rows (the
+    samples of one prompt share its prefill: its cache rows are copied, not recomputed);
+    row_keys [B, 2].
 
     Left padding keeps recurrent (linear-attention) state exact: padding is zeroed at the input,
     so a zero state stays zero until the first real token, and every row writes its decode
@@ -160,18 +163,23 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, row_keys, temperature
     models), N = new_token_bucket.
     """
     model = nnx.merge(graphdef, state)
-    batch, prompt_bucket = prompt_ids.shape
+    prompt_bucket = prompt_ids.shape[1]
+    batch = rows.shape[0]
     pad = (prompt_bucket - prompt_lengths)[:, None]
     slots = jnp.arange(prompt_bucket, dtype=jnp.int32)[None, :]
     prompt_segments = (slots >= pad).astype(jnp.int32)
     positions = jnp.maximum(slots - pad, 0)
-    out = model(prompt_ids, positions, prompt_segments, cache=model.init_cache(batch, cache_len, shared_index=True))
-    logits = model.head(out.hidden[:, -1:])[:, 0]
-    cache = out.cache
-    prompt_routes = out.routed_experts
+    init = model.init_cache(prompt_ids.shape[0], cache_len, shared_index=True)
+    out = model(prompt_ids, positions, prompt_segments, cache=init)
+    per_row = lambda x: jnp.take(x, jnp.maximum(rows, 0), axis=0)  # noqa: E731  (prompt -> sequence)
+    logits = per_row(model.head(out.hidden[:, -1:])[:, 0])
+    cache = out.cache._replace(layers=jax.tree.map(per_row, out.cache.layers),
+                               segment_ids=per_row(out.cache.segment_ids))
+    prompt_lengths = jnp.where(rows >= 0, per_row(prompt_lengths), 0)
+    prompt_routes = None if out.routed_experts is None else per_row(out.routed_experts)
     routes = None
-    if out.routed_experts is not None:
-        first = out.routed_experts[:, -1]
+    if prompt_routes is not None:
+        first = prompt_routes[:, -1]
         routes = jnp.zeros((batch, new_token_bucket) + first.shape[1:], jnp.int32).at[:, 0].set(first)
 
     tokens = jnp.zeros((batch, new_token_bucket), jnp.int32)
@@ -323,17 +331,24 @@ class JaxSampler(RolloutEngine):
         prompt_bucket = min(_bucket(longest, self.min_prompt_bucket), self.max_cache_len - params.max_new_tokens)
         new_bucket = _bucket(params.max_new_tokens, 1)
         cache_len = min(prompt_bucket + new_bucket, self.max_cache_len)
-        prompt_ids = np.zeros((rows, prompt_bucket), np.int32)
-        prompt_lengths = np.zeros(rows, np.int32)
-        for r, p in enumerate(prompts):
-            prompt_ids[r, prompt_bucket - p.size:] = p
-            prompt_lengths[r] = p.size
+        # One prefill per distinct prompt (a GRPO group's samples share theirs).
+        distinct = {i: None for i, _ in ids}
+        index = {i: u for u, i in enumerate(distinct)}
+        first_row = {i: r for r, (i, _) in reversed(list(enumerate(ids)))}
+        prompt_ids = np.zeros((_bucket(len(distinct), 1), prompt_bucket), np.int32)
+        prompt_lengths = np.zeros(len(prompt_ids), np.int32)
+        for i, u in index.items():
+            p = prompts[first_row[i]]
+            prompt_ids[u, prompt_bucket - p.size:] = p
+            prompt_lengths[u] = p.size
+        row_prompts = np.full(rows, -1, np.int32)
+        row_prompts[:len(ids)] = [index[i] for i, _ in ids]
         job = np.zeros((rows, 2), np.int32)
         job[:len(ids)] = ids
         keys = _row_keys(np.uint32(params.seed), job)
         stop = np.full(MAX_STOP_IDS, -1, np.int32)
         stop[:len(params.stop_token_ids)] = params.stop_token_ids
-        args = (prompt_ids, prompt_lengths, keys)
+        args = (prompt_ids, prompt_lengths, row_prompts, keys)
         if self.mesh is not None:
             args = jax.device_put(args, batch_shardings(args, self.mesh))
         # Host scalars (numpy, not jnp): no per-call dispatch of tiny conversion programs.

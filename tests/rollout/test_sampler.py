@@ -296,9 +296,12 @@ def test_prompt_longer_than_the_cache_names_the_prompt(sampler):
 def test_moe_routed_experts_match_the_full_forward():
     moe = make_model(num_layers=1, mlp_types=("moe",), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     sampler = JaxSampler(moe, max_cache_len=64, max_batch=8)
-    out = sampler.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
-    _, routes = full_forward(moe, [p + s.output_ids.tolist() for p, (s,) in zip(PROMPTS, out, strict=True)])
-    for prompt, (sample,), route in zip(PROMPTS, out, routes, strict=True):
+    # Two samples per prompt at temperature 1: different continuations of one shared prefill.
+    out = sampler.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, seed=1), n=2)
+    pairs = [(p, s) for p, group in zip(PROMPTS, out, strict=True) for s in group]
+    _, routes = full_forward(moe, [p + s.output_ids.tolist() for p, s in pairs])
+    assert any(not np.array_equal(a.output_ids, b.output_ids) for a, b in out)
+    for (prompt, sample), route in zip(pairs, routes, strict=True):
         assert sample.routed_experts.shape == (8, 1, 2)
         # output token j is predicted from input position len(prompt) - 1 + j
         np.testing.assert_array_equal(sample.routed_experts, route[len(prompt) - 1:len(prompt) + 7])
@@ -351,3 +354,12 @@ def test_hybrid_linear_attention_greedy_and_recompute():
         np.testing.assert_array_equal(sample.output_ids, np.argmax(steps, axis=-1))
         expected = special.log_softmax(steps.astype(np.float64), axis=-1)[np.arange(8), sample.output_ids]
         np.testing.assert_allclose(sample.output_logprobs, expected, atol=5e-5)
+    # Three samples per prompt share one prefill (its recurrent states copied to each sample).
+    out = sampler.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, seed=2), n=3)
+    pairs = [(p, s) for p, group in zip(PROMPTS, out, strict=True) for s in group]
+    all_logits = full_logits(hybrid, [p + s.output_ids.tolist() for p, s in pairs])
+    for (prompt, sample), logits in zip(pairs, all_logits, strict=True):
+        steps = logits[len(prompt) - 1:len(prompt) + 7]
+        expected = special.log_softmax(steps.astype(np.float64), axis=-1)[np.arange(8), sample.output_ids]
+        # sampled tokens are less likely than greedy ones: float32 noise relative to |logp|
+        np.testing.assert_allclose(sample.output_logprobs, expected, atol=5e-5, rtol=5e-5)
