@@ -157,7 +157,14 @@ class PushVerificationError(RuntimeError):
 
 
 class RolloutEngine(abc.ABC):
-    """What the trainer needs from a rollout engine."""
+    """What the trainer needs from a rollout engine.
+
+    ``holds_references``: True when ``update_weights`` keeps the learner's arrays themselves
+    (the embedded sampler), so a caller that updates those arrays in place (a donating train
+    step) while the engine still generates must hand it a copy.
+    """
+
+    holds_references: bool = False
 
     @abc.abstractmethod
     def generate(

@@ -36,7 +36,11 @@ class RolloutConfig:
     weight push the engine must report the new version, and the next batch's engine
     logprobs must match the learner's recompute within ``push_tolerance`` (max |dlogp|
     over generated tokens, with raw logprobs; the spot check runs on every sampled token, at no extra cost;
-    SGLang additionally checks its probe sequence inside each push).
+    SGLang additionally checks its probe sequence inside each push). With ``max_staleness`` > 0
+    only batches sampled with the learner's current weights can be compared (the first one).
+    max_staleness: how many updates the weights of a batch may lag the learner's; 0 is the
+    synchronous loop, >= 1 generates the next batches in the background while the learner
+    updates (docs/training.md#asynchronous-rollouts).
     """
 
     engine: Literal["embedded", "sglang"] = "embedded"
@@ -49,6 +53,7 @@ class RolloutConfig:
     logprob_kind: LogprobKind = LogprobKind.RAW
     verify_push: bool = True
     push_tolerance: float = 1e-3
+    max_staleness: int = 0
     sglang: SGLangConfig | None = None
 
     def __post_init__(self):
@@ -61,6 +66,8 @@ class RolloutConfig:
             )
         # SamplingParams checks the same, but only after the model loaded and the first rollout began.
         check_sampling_ranges("rollout", self)
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be >= 0 (0 = synchronous), got {self.max_staleness}")
         if not self.push_tolerance > 0.0:
             raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
 

@@ -231,6 +231,8 @@ class JaxSampler(RolloutEngine):
     mesh: the learner's mesh, or None on one device.
     """
 
+    holds_references = True
+
     def __init__(self, model: nnx.Module, *, max_cache_len: int | None = None, max_batch: int = 64,
                  min_prompt_bucket: int = 16, mesh: jax.sharding.Mesh | None = None,
                  weight_version: str = "0"):

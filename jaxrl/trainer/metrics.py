@@ -8,10 +8,12 @@ disk mid-write), with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import time
 from typing import Mapping
 
 import numpy as np
@@ -109,3 +111,28 @@ class MetricsLogger:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+
+
+class StageClock:
+    """Wall time per stage: ``with clock("reward"): ...``; ``metrics()`` gives ``time/<stage>``,
+    ``time/step`` (since the clock started) and ``time/tokens_per_second``."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str, timed: bool = True):
+        if not timed:
+            yield
+            return
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = time.perf_counter() - t
+
+    def metrics(self, tokens: int) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.start
+        return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": elapsed,
+                "time/tokens_per_second": tokens / elapsed}

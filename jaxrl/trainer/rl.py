@@ -2,8 +2,10 @@
 
 Per step k, ``train_step_once`` runs, one stage per line:
 1. **rollout**: ``prompts_per_step`` prompts from the Grain iterator, ``group_size`` samples
-   each from the rollout engine (current weights), and one greedy response per prompt when the
-   advantage estimator needs it as a baseline (ReMax);
+   each from the rollout engine, and one greedy response per prompt when the advantage
+   estimator needs it as a baseline (ReMax); with the current weights, or up to
+   ``rollout.max_staleness`` updates older, generated in the background while the learner
+   updates (``jaxrl.trainer.rollouts``);
 2. **reward**: the per-task reward functions score them; unparsable samples (and samples whose
    reward function raised) leave the gradient and their group's baseline when
    ``reward.mask_unparsable`` (Motif);
@@ -18,7 +20,8 @@ Per step k, ``train_step_once`` runs, one stage per line:
    batch, each accumulated over ``update.micro_batches`` (``jaxrl.trainer.update``); the
    critic (when there is one) steps its own optimizer on the same mini-batches, and alone
    during its ``critic.warmup_steps``;
-8. **push** the weights to the engine; the next step's batch verifies the push.
+8. **push** the weights to the engine (once the batches of the older weights are generated); the
+   next batch made with them verifies the push.
 
 Each stage returns its own metrics under its prefix (``jaxrl.trainer.stages``). Everything
 random is derived from ``(config.seed, step)``, so a resumed run reproduces the uninterrupted
@@ -27,10 +30,8 @@ one exactly (same samples, same updates) on CPU in float32.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import time
 from typing import Any
 
 import jax
@@ -54,8 +55,9 @@ from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.critic import Critic
 from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, end_step, open_run
-from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
+from jaxrl.trainer.metrics import MetricsLogger, StageClock, read_jsonl
 from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
+from jaxrl.trainer.rollouts import RolloutBatch, RolloutQueue, staleness_metrics
 from jaxrl.trainer.update import build_optimizer, make_train_step, rl_loss_fn
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,8 @@ class RLTrainer:
                  engine: RolloutEngine | None = None):
         """``resume``: continue from the newest intact checkpoint. ``overwrite``: delete an earlier
         run's metrics and checkpoints in these folders (without it, a fresh start over an earlier
-        run raises RunExistsError before anything is touched)."""
+        run raises RunExistsError before anything is touched). ``engine``: an engine to sample
+        with instead of the one ``rollout.engine`` names (the caller closes it)."""
         self.config = config
         check_fresh_start(config.output_dir, config.checkpoint.directory, resume=resume, overwrite=overwrite)
         self.errors: list[str] = []
@@ -111,16 +114,35 @@ class RLTrainer:
         self.step = 0
         self.skipped_updates = 0
         self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
+        self.rollouts = RolloutQueue(self.iterator, self._generate, config.rollout.max_staleness)
+        if self.rollouts.background and jax.process_count() > 1:
+            raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness} runs with one JAX process only "
+                             f"(this run has {jax.process_count()}): the engine's collectives would run in a "
+                             "second thread beside the update's; set rollout.max_staleness=0")
         self.checkpointer = open_run(config, resume=resume, overwrite=overwrite)
         if resume:
             self._restore()
         self.manager = None
+        self._owns_engine = engine is None  # an engine handed in is the caller's to close
         if engine is None:
             max_batch = max(sequences, config.eval.max_prompts * config.eval.samples)
             engine, self.manager = make_engine(config.rollout, self.model(), self.mesh, max_batch)
         self.engine = engine
-        if self.step > 0 or engine.weight_version != "0":
-            self.engine.update_weights(self.model(), version=str(self.step))
+        # An engine that holds the learner's arrays by reference generating beside the update
+        # needs its own copy: the train step donates (deletes) the arrays it updates.
+        if self.step > 0 or engine.weight_version != "0" or self._engine_needs_copy():
+            self.engine.update_weights(self._engine_weights(), version=str(self.step))
+        self.rollouts.fill(self.step)
+
+    def _engine_needs_copy(self) -> bool:
+        return self.rollouts.background and self.engine.holds_references
+
+    def _engine_weights(self):
+        """What the engine is given: the learner model, over a copy of its parameters when
+        :meth:`_engine_needs_copy`."""
+        if self._engine_needs_copy():
+            return nnx.merge(self.train_step.graphdef, _copy(self.state["params"]))
+        return self.model()
 
     def _warn(self, message: str) -> None:
         """A problem worth a line in the log and on the terminal; the run goes on."""
@@ -153,19 +175,27 @@ class RLTrainer:
             [e.row for e, _ in flat], on_error=self.errors.append,
         ), flat
 
+    def _generate(self, examples, index: int):
+        """Batch ``index``'s samples (and ReMax's greedy baseline responses) with the engine's
+        weights; run by the rollout queue, in its worker thread when it has one."""
+        config = self.config
+        samples = self._rollout(examples, seed=_seed(config.seed, index), n=config.rollout.group_size)
+        greedy = None
+        if config.advantage.needs_greedy_baseline:
+            greedy = self._rollout(examples, seed=_seed(config.seed, index), n=1, temperature=0.0)
+        return samples, greedy
+
     def train_step_once(self) -> dict[str, Any]:
         config, r, objective = self.config, self.config.rollout, self.objective
-        step, clock = self.step + 1, _StageClock()
-        examples = next(self.iterator)
+        step, clock = self.step + 1, StageClock()
         greedy_scores = None
         with clock("rollout"):
-            samples = self._rollout(examples, seed=_seed(config.seed, step), n=r.group_size)
-            if config.advantage.needs_greedy_baseline:
-                greedy = self._rollout(examples, seed=_seed(config.seed, step), n=1, temperature=0.0)
+            rollout: RolloutBatch = self.rollouts.take(step)
+        examples, samples = rollout.examples, rollout.samples
         with clock("reward"):
             scored, flat = self._score(examples, samples)
-            if config.advantage.needs_greedy_baseline:
-                greedy_scores = self._score(examples, greedy)[0].scores
+            if rollout.greedy is not None:
+                greedy_scores = self._score(examples, rollout.greedy)[0].scores
         batch, valid = self._pack(flat, scored)
         # Bypass without a KL reference runs no learner forward here, so there is no stage to time.
         with clock("recompute", timed=not objective.bypass or self.reference is not None):
@@ -184,13 +214,17 @@ class RLTrainer:
         with clock("update"):
             update_metrics = self._update(batch, step, skip)
         self._verify_previous_push(samples[0][0].weight_version, batch, update_metrics)
+        with clock("rollout_drain"):  # the batches of the weights about to be replaced
+            self.rollouts.before_push()
         with clock("weight_push"):
             push_metrics = self._push(step)
+        self.rollouts.fill(step, final=step == config.steps)
         self.step = step
         return {
-            **stages.rollout_metrics([s for _, s in flat]), **stages.reward_metrics(scored), **recompute_metrics,
-            **advantage_metrics, **filter_metrics, **update_metrics, **push_metrics,
-            "data/bad_rows": self.data_report.bad_rows, **clock.metrics(tokens=batch.num_tokens),
+            **stages.rollout_metrics([s for _, s in flat]), **staleness_metrics(rollout, step - 1),
+            **stages.reward_metrics(scored), **recompute_metrics, **advantage_metrics, **filter_metrics,
+            **update_metrics, **push_metrics, "data/bad_rows": self.data_report.bad_rows,
+            **clock.metrics(tokens=batch.num_tokens), "time/generation": rollout.generate_seconds,
         }
 
     def _pack(self, flat, scored) -> tuple[StepBatch, np.ndarray]:
@@ -252,6 +286,8 @@ class RLTrainer:
         r = self.config.rollout
         if not (r.verify_push and r.logprob_kind == LogprobKind.RAW):
             return
+        if version != str(self.step):  # sampled with older weights (rollout.max_staleness): not comparable
+            return
         if self.objective.bypass and update_metrics.get("critic/warmup"):
             return
         if self.objective.bypass:
@@ -262,7 +298,7 @@ class RLTrainer:
         self.check_push(version, *gap)
 
     def _push(self, step: int) -> dict[str, float]:
-        push_metrics = self.engine.update_weights(self.model(), version=str(step)) or {}
+        push_metrics = self.engine.update_weights(self._engine_weights(), version=str(step)) or {}
         if self.config.rollout.verify_push and self.engine.weight_version != str(step):
             raise PushVerificationError(
                 f"pushed weight version {step} but the engine reports {self.engine.weight_version!r}")
@@ -299,7 +335,8 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def _meta(self) -> dict:
-        return {"step": self.step, "seed": self.config.seed, "data": self.iterator.state(),
+        rollouts = self.rollouts.state(self.step)
+        return {"step": self.step, "seed": self.config.seed, "data": rollouts["data"], "pending": rollouts["pending"],
                 "weight_version": str(self.step), "skipped_updates": self.skipped_updates,
                 "guard": self.guard.state()}
 
@@ -330,7 +367,7 @@ class RLTrainer:
         self.skipped_updates = int(meta["skipped_updates"])
         if "guard" in meta:  # absent in checkpoints written before the update guard existed
             self.guard.restore(meta["guard"])
-        self.iterator.restore(meta["data"])
+        self.rollouts.restore({"data": meta["data"], "pending": meta.get("pending", [])})
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
@@ -377,8 +414,10 @@ class RLTrainer:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
+        self.rollouts.close()
         self.router.close()
-        self.engine.close()
+        if self._owns_engine:
+            self.engine.close()
         if self.manager is not None:
             self.manager.stop()
 
@@ -392,28 +431,3 @@ def _copy(tree):
 def _seed(seed: int, step: int) -> int:
     """A distinct, reproducible 31-bit sampling seed per (run seed, step)."""
     return int(np.random.SeedSequence([seed, step + 1]).generate_state(1)[0] & 0x7FFFFFFF)
-
-
-class _StageClock:
-    """Wall time per stage: ``with clock("reward"): ...``; ``metrics()`` gives ``time/<stage>``,
-    ``time/step`` (since the clock started) and ``time/tokens_per_second``."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, stage: str, timed: bool = True):
-        if not timed:
-            yield
-            return
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[stage] = time.perf_counter() - t
-
-    def metrics(self, tokens: int) -> dict[str, float]:
-        elapsed = time.perf_counter() - self.start
-        return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": elapsed,
-                "time/tokens_per_second": tokens / elapsed}

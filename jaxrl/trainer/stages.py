@@ -69,6 +69,8 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
         (not builds_engine or config.rollout.engine != "embedded", "the engine is not the trainer's embedded sampler"),
         (config.rollout.logprob_kind != LogprobKind.RAW, "rollout.logprob_kind is not raw"),
         (u.mini_batches != 1, f"update.mini_batches={u.mini_batches} (later mini-batches are off-policy)"),
+        (config.rollout.max_staleness > 0, f"rollout.max_staleness={config.rollout.max_staleness} (samples come "
+                                           "from older weights)"),
     ) if failed]
     try:
         fast = dataclasses.replace(objective, bypass=True)

@@ -58,9 +58,10 @@ def test_when_needed_skips_the_redundant_recompute_and_trains_as_the_recomputing
     ({"objective": {"mismatch_correction": "token-tis"}}, "learner-versus-engine ratio"),
     ({"objective": {"batch_filter_threshold": 1.0}}, "learner-versus-engine ratio"),
     ({"rollout": {"logprob_kind": "processed", "temperature": 0.7}}, "logprob_kind is not raw"),
+    ({"rollout": {"max_staleness": 1}}, "rollout.max_staleness=1 (samples come from older weights)"),
 ])
 def test_when_needed_keeps_the_recompute_where_it_is_needed(files, tmp_path, caplog, change, reason):
-    """Later mini-batches are off-policy, corrections and the batch filter read the
+    """Later mini-batches and asynchronous rollouts are off-policy, corrections and the batch filter read the
     learner-versus-engine ratio, processed logprobs are not the learner's: each keeps the
     recompute (the objective is not switched to bypass) and the log says why."""
     sections = {"update": {"recompute_old_logp": "when_needed", **change.get("update", {})}}
@@ -88,3 +89,37 @@ def test_when_needed_with_an_external_engine_keeps_the_recompute(files, tmp_path
         assert not trainer.objective.bypass
     finally:
         trainer.close()
+
+
+def test_jitted_step_statistics_equal_the_op_by_op_values():
+    """The recompute stage's one jitted program (mismatch overall and by bucket, entropy) and the
+    jitted advantage estimator give what the same library functions give op by op."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl.losses import mismatch_metrics, mismatch_metrics_by_rollout_prob
+    from jaxrl.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, sequence_advantages
+    from jaxrl.trainer import stages
+
+    rng = np.random.default_rng(0)
+    old = np.log(rng.uniform(1e-6, 1.0, (8, 24))).astype(np.float32)
+    rollout = (old + rng.normal(0, 0.05, old.shape)).astype(np.float32)
+    mask = (rng.random(old.shape) < 0.7).astype(np.float32)
+    entropy = rng.uniform(0, 3, old.shape).astype(np.float32)
+    got = jax.device_get(stages._recompute_statistics(old, rollout, mask, entropy))
+    with jax.disable_jit():
+        pair = (jnp.asarray(old), jnp.asarray(rollout), jnp.asarray(mask))
+        eager = {"mismatch": mismatch_metrics(*pair), "buckets": mismatch_metrics_by_rollout_prob(*pair)}
+    for group in ("mismatch", "buckets"):
+        for key, value in eager[group].items():
+            np.testing.assert_allclose(got[group][key], np.asarray(value), rtol=1e-5, atol=1e-7, err_msg=key)
+    assert got["entropy"] == pytest.approx(float((entropy * mask).sum() / mask.sum()), rel=1e-6)
+
+    scores = rng.integers(0, 2, 16).astype(np.float32)
+    valid = rng.random(16) < 0.9
+    jitted, _ = sequence_advantages(AdvantageConfig(estimator="grpo"), scores, valid, 4)
+    with jax.disable_jit():
+        eager_adv, _ = ADVANTAGE_ESTIMATORS["grpo"](jnp.asarray(scores), mask=jnp.asarray(valid), group_size=4,
+                                                    std_min=0.1, std_max=1e6, ddof=1)
+    np.testing.assert_allclose(jitted, np.asarray(eager_adv), rtol=1e-6, atol=1e-7)

@@ -22,7 +22,11 @@ def digit_reward(prompt, response, response_ids, row):
     return RewardResult(score=sum(c.isdigit() for c in response) / max(len(response), 1))
 
 
-def test_rl_steps_with_sglang_engine(tmp_path):
+def test_rl_steps_with_sglang_engine_synchronous_and_asynchronous(tmp_path):
+    """One server, two runs: 2 synchronous steps, then 3 with ``rollout.max_staleness=1`` (the
+    server generates the next batch while the learner updates). The asynchronous run's batches
+    carry versions 0, 0, 1 (a lag of 0, 1, 1 updates), each push passes the probe check, and
+    the first batch (sampled with the learner's own weights) matches its recompute."""
     import socket
 
     import jax
@@ -30,6 +34,7 @@ def test_rl_steps_with_sglang_engine(tmp_path):
     from jaxrl.config import from_dict
     from jaxrl.demo import write_demo_files
     from jaxrl.models import ModelConfig
+    from jaxrl.rollout.sglang import PushConfig, ServerConfig, ServerManager, SGLangEngine
     from jaxrl.rollout.sglang.testing import write_random_checkpoint
     from jaxrl.trainer.config import TrainConfig
     from jaxrl.trainer.metrics import read_jsonl
@@ -43,33 +48,49 @@ def test_rl_steps_with_sglang_engine(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    config = from_dict(TrainConfig, {
-        "output_dir": str(tmp_path / "out"), "steps": 2, "seed": 0,
-        "model": {"hf_path": model_path},
-        "data": {"tokenizer": files["tokenizer"], "train_files": [files["train"]], "use_chat_template": False,
-                 "max_prompt_tokens": 6},
-        "reward": {"default_task": "t", "task_field": "none",
-                   "tasks": {"t": {"kind": "python", "function": f"{__name__}:digit_reward"}}},
-        "rollout": {"engine": "sglang", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6,
-                    "push_tolerance": 1e-4,
-                    "sglang": {"server": {"model_path": model_path, "base_port": port,
-                                          "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 300},
-                               "push": {"checkpoint_dir": str(tmp_path / "pushed"), "probe_ids": [1, 5, 9, 3, 12]}}},
-        "optimizer": {"lr": 1e-2},
-        "logging": {"progress": False, "tensorboard": False, "plots": False},
-    })
-    trainer = RLTrainer(config)
+    server = {"model_path": model_path, "base_port": port, "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 300}
+    push = {"checkpoint_dir": str(tmp_path / "pushed"), "probe_ids": [1, 5, 9, 3, 12]}
+
+    def config(name, steps, staleness):
+        return from_dict(TrainConfig, {
+            "output_dir": str(tmp_path / name), "steps": steps, "seed": 0,
+            "model": {"hf_path": model_path},
+            "data": {"tokenizer": files["tokenizer"], "train_files": [files["train"]], "use_chat_template": False,
+                     "max_prompt_tokens": 6},
+            "reward": {"default_task": "t", "task_field": "none",
+                       "tasks": {"t": {"kind": "python", "function": f"{__name__}:digit_reward"}}},
+            "rollout": {"engine": "sglang", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6,
+                        "push_tolerance": 1e-4, "max_staleness": staleness,
+                        "sglang": {"server": server, "push": push}},
+            "optimizer": {"lr": 1e-2},
+            "logging": {"progress": False, "tensorboard": False, "plots": False},
+        })
+
+    manager = ServerManager(from_dict(ServerConfig, server)).start()
+    engine = SGLangEngine(manager, push=from_dict(PushConfig, push))
     try:
-        before = [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
-        trainer.run()
-        after = [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
-        assert trainer.engine.weight_version == "2"
+        runs = {}
+        for name, steps, staleness in (("sync", 2, 0), ("async", 3, 1)):
+            # The second trainer pushes its initial weights back to the server as version 0.
+            trainer = RLTrainer(config(name, steps, staleness), engine=engine)
+            try:
+                before = [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
+                trainer.run()
+                after = [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
+                assert engine.weight_version == str(steps)
+            finally:
+                trainer.close()
+            assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+            runs[name] = read_jsonl(str(tmp_path / name / "metrics.jsonl"))
     finally:
-        trainer.close()
-    rows = read_jsonl(str(tmp_path / "out" / "metrics.jsonl"))
-    assert [r["step"] for r in rows] == [1, 2]
-    for row in rows:
+        engine.close()
+        manager.stop()
+    assert [r["step"] for r in runs["sync"]] == [1, 2]
+    for row in runs["sync"]:
         # Engine (SGLang) vs learner on every generated token: float32 on both sides.
         assert row["mismatch/abs_log_ratio_max"] < 1e-4
         assert row["push/probe_max_abs_diff"] < 1e-5
-    assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    rows = runs["async"]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    assert rows[0]["mismatch/abs_log_ratio_max"] < 1e-4 < rows[1]["mismatch/abs_log_ratio_max"]
+    assert all(r["push/probe_max_abs_diff"] < 1e-5 for r in rows)

@@ -1,0 +1,216 @@
+"""The trainer's rollout stage: each step's prompts and their samples, generated ahead of the learner.
+
+``rollout.max_staleness`` (s) bounds how many optimizer updates a batch's weights may lag the
+learner's (docs/training.md#asynchronous-rollouts). Batch ``k`` is generated with the weights
+of version ``max(k - 1 - s, 0)`` (the learner's after that many steps), so:
+
+- s = 0 is the synchronous loop: batch k is drawn after the push of version k - 1 and generated
+  when step k asks for it, in the trainer's own thread;
+- s >= 1 generates in one background thread: after the push of version j the queue draws batch
+  j + s + 1 and starts it, so while the learner updates on batch j + 1 the engine generates
+  the next one with the weights it has (verl's one-step-off-policy, slime's asynchronous
+  training for s = 1). The engine holds one weight version at a time, so a push first waits for
+  every batch started before it (those are the batches of older versions).
+
+Every sample records the version that produced it (``Sample.weight_version``); the learner
+recomputes ``old_logp`` with its current weights and the mismatch corrections use the
+engine's logprobs as the behaviour policy's.
+
+Exact resume: when the run saves after step j, batches j + 1 .. j + s were generated with
+weights the checkpoint does not hold, so their samples are saved with it (:meth:`state`, a
+JSON record with the arrays base64-encoded); batch j + s + 1 uses version j, which it does
+hold, and is regenerated on resume from the same prompts and seed.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxrl.rollout.base import LogprobKind, Sample
+
+# (examples, batch index) -> (samples [prompt][sample], greedy samples [prompt][1] or None)
+GenerateFn = Callable[[list, int], tuple[list, list | None]]
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """Batch ``index``'s prompts and the engine's samples of them; ``weights``: the learner
+    version the engine held when it was started; ``generate_seconds``: the engine's time on it."""
+
+    index: int
+    examples: list
+    weights: int
+    data_before: dict
+    samples: list | None = None
+    greedy: list | None = None
+    generate_seconds: float = 0.0
+    future: concurrent.futures.Future | None = None
+
+
+class RolloutQueue:
+    """Batches in flight between the data iterator and the learner (see the module doc).
+
+    iterator: the run's prompt iterator (``state()``/``restore()``, drawn only from the
+    trainer's thread); generate: makes one batch's samples with the engine's current weights;
+    background: generate in a worker thread (default: when ``max_staleness > 0``; a test can run
+    the worker at s = 0).
+    """
+
+    def __init__(self, iterator, generate: GenerateFn, max_staleness: int, background: bool | None = None):
+        self.iterator = iterator
+        self.generate = generate
+        self.max_staleness = max_staleness
+        self.background = max_staleness > 0 if background is None else background
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxrl-rollout") if self.background else None
+        self._pending: dict[int, RolloutBatch] = {}
+
+    # ---------------------------------------------------------------- the loop
+    def fill(self, weights: int, final: bool = False) -> None:
+        """Called with the learner's version once the engine holds it (at start-up and after each
+        push): draws and starts every batch up to ``weights + max_staleness + 1``; after the
+        ``final`` step's push none with these weights (a resumed longer run regenerates it)."""
+        for index in range(weights + 1, weights + self.max_staleness + (1 if final else 2)):
+            if index not in self._pending:
+                self._start(RolloutBatch(index, [], weights, self.iterator.state()))
+
+    def take(self, index: int) -> RolloutBatch:
+        """Batch ``index``, waiting for its generation to finish."""
+        if index not in self._pending:
+            raise RuntimeError(f"rollout batch {index} was never started (pending: {sorted(self._pending)}); "
+                               "call fill() after each weight push")
+        batch = self._finish(self._pending.pop(index))
+        return batch
+
+    def before_push(self) -> float:
+        """Waits for every started batch (they use the weights about to be replaced); returns the seconds waited."""
+        start = time.perf_counter()
+        for batch in self._pending.values():
+            self._finish(batch)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ---------------------------------------------------------------- checkpoints
+    def state(self, learner_version: int) -> dict[str, Any]:
+        """The checkpoint record after the push of ``learner_version``: the iterator state before
+        the first pending batch's prompts were drawn, and the samples of the pending batches made
+        with older weights (the others are regenerated on resume)."""
+        pending = sorted(self._pending.values(), key=lambda b: b.index)
+        data = pending[0].data_before if pending else self.iterator.state()
+        saved = [self._finish(b) for b in pending if b.weights < learner_version]
+        return {"data": data, "pending": [_encode_batch(b) for b in saved]}
+
+    def restore(self, record: dict[str, Any]) -> None:
+        """Puts back the state of :meth:`state`: the iterator and the saved batches (same prompts,
+        redrawn from the restored iterator; the saved samples). Call :meth:`fill` next."""
+        self.iterator.restore(record["data"])
+        for saved in record.get("pending", ()):
+            batch = RolloutBatch(int(saved["index"]), [], int(saved["weights"]), self.iterator.state())
+            batch.examples = next(self.iterator)
+            batch.samples = _decode_groups(saved["samples"], batch.examples)
+            batch.greedy = None if saved["greedy"] is None else _decode_groups(saved["greedy"], batch.examples)
+            batch.generate_seconds = float(saved["generate_seconds"])
+            self._pending[batch.index] = batch
+
+    # ---------------------------------------------------------------- internals
+    def _start(self, batch: RolloutBatch) -> None:
+        batch.examples = next(self.iterator)
+        self._pending[batch.index] = batch
+        if self._pool is not None:
+            batch.future = self._pool.submit(self._generate, batch)
+
+    def _generate(self, batch: RolloutBatch) -> None:
+        start = time.perf_counter()
+        batch.samples, batch.greedy = self.generate(batch.examples, batch.index)
+        batch.generate_seconds = time.perf_counter() - start
+
+    def _finish(self, batch: RolloutBatch) -> RolloutBatch:
+        """The batch with its samples: generated here (no worker) or waited for (re-raising the
+        worker's error, e.g. a server that failed for good)."""
+        if batch.samples is None:
+            if batch.future is None:
+                self._generate(batch)
+            else:
+                batch.future.result()
+        return batch
+
+
+def staleness_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, float]:
+    """``rollout/staleness_{mean,max}``: updates between each sample's weights and the learner's."""
+    lags = [learner_version - int(s.weight_version) for group in batch.samples for s in group]
+    return {"rollout/staleness_mean": float(np.mean(lags)), "rollout/staleness_max": float(np.max(lags))}
+
+
+# ---------------------------------------------------------------- sample records
+
+def _b64(array: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
+
+
+def _unb64(text: str, dtype) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype).copy()
+
+
+def _encode_batch(batch: RolloutBatch) -> dict[str, Any]:
+    return {"index": batch.index, "weights": batch.weights, "generate_seconds": batch.generate_seconds,
+            "samples": _encode_groups(batch.samples),
+            "greedy": None if batch.greedy is None else _encode_groups(batch.greedy)}
+
+
+def _encode_groups(groups: list[list[Sample]]) -> dict[str, Any]:
+    """Samples [prompt][sample] as flat arrays (exact: the float32 bits travel as bytes)."""
+    flat = [s for group in groups for s in group]
+    routed = flat[0].routed_experts is not None
+    record = {
+        "group_sizes": [len(g) for g in groups], "lengths": [len(s.output_ids) for s in flat],
+        "finish_reasons": [s.finish_reason for s in flat], "weight_versions": [s.weight_version for s in flat],
+        "logprob_kind": flat[0].logprob_kind.value,
+        "output_ids": _b64(np.concatenate([s.output_ids for s in flat]).astype(np.int32)),
+        "output_logprobs": _b64(np.concatenate([s.output_logprobs for s in flat]).astype(np.float32)),
+        "routes": None,
+    }
+    if routed:
+        record["routes"] = {
+            "shape": list(flat[0].routed_experts.shape[1:]),
+            "output": _b64(np.concatenate([s.routed_experts for s in flat]).astype(np.int32)),
+            "prompt": _b64(np.concatenate([s.prompt_routed_experts for s in flat]).astype(np.int32)),
+        }
+    return record
+
+
+def _decode_groups(record: dict[str, Any], examples: list) -> list[list[Sample]]:
+    sizes, lengths = record["group_sizes"], np.asarray(record["lengths"])
+    if len(sizes) != len(examples):
+        raise ValueError(f"a checkpoint's pending rollout batch holds {len(sizes)} prompts but the restored data "
+                         f"iterator drew {len(examples)}; resume with the data settings the run was saved with")
+    ends = np.cumsum(lengths)
+    ids = np.split(_unb64(record["output_ids"], np.int32), ends[:-1])
+    logps = np.split(_unb64(record["output_logprobs"], np.float32), ends[:-1])
+    routes = record["routes"]
+    prompt_routes = output_routes = [None] * len(lengths)
+    if routes is not None:
+        shape = tuple(routes["shape"])
+        output_routes = np.split(_unb64(routes["output"], np.int32).reshape(-1, *shape), ends[:-1])
+        prompt_ends = np.cumsum([len(e.prompt_ids) - 1 for e, n in zip(examples, sizes, strict=True)
+                                 for _ in range(n)])
+        prompt_routes = np.split(_unb64(routes["prompt"], np.int32).reshape(-1, *shape), prompt_ends[:-1])
+    groups, j = [], 0
+    for example, n in zip(examples, sizes, strict=True):
+        group = []
+        for _ in range(n):
+            group.append(Sample(
+                prompt_ids=np.asarray(example.prompt_ids, np.int32), output_ids=ids[j], output_logprobs=logps[j],
+                finish_reason=record["finish_reasons"][j], weight_version=record["weight_versions"][j],
+                logprob_kind=LogprobKind(record["logprob_kind"]), routed_experts=output_routes[j],
+                prompt_routed_experts=prompt_routes[j]))
+            j += 1
+        groups.append(group)
+    return groups
