@@ -1,13 +1,17 @@
-"""Weight push to a real SGLang server vs writing the same safetensors to disk.
+"""Weight push to a real SGLang server, from disk and through shared memory, vs a plain safetensors write.
 
     .venv/bin/python bench/sglang_push.py [--layers 8 --hidden 768 --vocab 32000 --pushes 3]
 
 Starts one CPU SGLang server (float32) on a random ~100M-parameter Qwen3
-``jaxrl.models.Decoder``, then for each push prints the engine's phases
-(export = checkpoint write + atomic rename, load = /update_weights_from_disk,
-verify = version + probe logprob check) next to a plain
-``safetensors.numpy.save_file`` of the same tensors, and the ratio
-push total / plain write. Needs scripts/setup_sglang_cpu.sh.
+``jaxrl.models.Decoder``, then for each push of new weights runs, side by side, a plain
+``safetensors.numpy.save_file`` of the same tensors (already on the host), the engine's
+``PushConfig.method: disk`` push (export = checkpoint write + atomic rename, load =
+/update_weights_from_disk, verify = version + probe logprob check) and its ``method:
+tensor`` push (export = the HF tensors on the host, load = /update_weights_from_tensor
+through shared memory, the same verify). The first push of each method warms up (compiles
+the probe's recompute, faults in the shared buffers) and is not counted. Prints each phase and
+each push total over the plain write, then the TARGET line on the in-memory push's median
+ratio. Needs scripts/setup_sglang_cpu.sh.
 """
 
 from __future__ import annotations
@@ -25,19 +29,12 @@ from flax import nnx  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from jaxrl.models import ModelConfig  # noqa: E402
-from jaxrl.models.hf import tensor_maps  # noqa: E402
+from jaxrl.models.hf import hf_tensors  # noqa: E402
 from jaxrl.rollout.sglang import PushConfig, SGLangEngine, ServerConfig, ServerManager  # noqa: E402
 from jaxrl.rollout.sglang.testing import random_decoder, write_random_checkpoint  # noqa: E402
 
 
-def hf_tensors(model) -> dict[str, np.ndarray]:
-    """The same named tensors a checkpoint holds, already on the host (what a plain write gets)."""
-    flat = dict(nnx.to_flat_state(nnx.state(model)))
-    tensors = {}
-    for m in tensor_maps(model.config):
-        for name, array in zip(m.hf_names, m.save(np.asarray(jax.device_get(flat[m.path][...]))), strict=True):
-            tensors[name] = np.ascontiguousarray(array)
-    return tensors
+GOAL = 1.2  # the in-memory push's total over a plain safetensors write of the same tensors
 
 
 def main() -> None:
@@ -45,7 +42,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--pushes", type=int, default=3)
+    parser.add_argument("--pushes", type=int, default=6, help="timed pushes per method (after one warm-up push)")
     parser.add_argument("--port", type=int, default=31900)
     args = parser.parse_args()
     config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
@@ -59,25 +56,35 @@ def main() -> None:
         manager = ServerManager(ServerConfig(model_path=os.path.join(tmp, "initial"), base_port=args.port,
                                              max_total_tokens=2048, log_dir=os.path.join(tmp, "logs"))).start()
         print(f"server start-up: {time.perf_counter() - start:.1f} s")
-        engine = SGLangEngine(manager, push=PushConfig(checkpoint_dir=os.path.join(tmp, "pushed")))
-        print(f"{'push':>5} {'export_s':>9} {'load_s':>8} {'verify_s':>9} {'total_s':>8} "
+        engines = {"disk": SGLangEngine(manager, push=PushConfig(checkpoint_dir=os.path.join(tmp, "pushed"))),
+                   "tensor": SGLangEngine(manager, push=PushConfig(method="tensor"))}
+        print(f"{'push':>5} {'method':>7} {'export_s':>9} {'load_s':>8} {'verify_s':>9} {'total_s':>8} "
               f"{'plain_write_s':>14} {'total/plain':>12} {'probe_diff':>11}")
+        ratios = {name: [] for name in engines}
         try:
-            for k in range(args.pushes):
-                pushed = random_decoder(config, seed=k + 1, matrix_scale=1.0)
+            for k in range(-1, args.pushes):
+                pushed = random_decoder(config, seed=k + 2, matrix_scale=1.0)
                 tensors = hf_tensors(pushed)
                 start = time.perf_counter()
                 save_file(tensors, os.path.join(tmp, f"plain-{k}.safetensors"), metadata={"format": "pt"})
                 plain = time.perf_counter() - start
                 os.remove(os.path.join(tmp, f"plain-{k}.safetensors"))
-                m = engine.update_weights(pushed, f"bench-{k}")
-                print(f"{k:>5} {m['push/export_s']:>9.3f} {m['push/load_s']:>8.3f} {m['push/verify_s']:>9.3f} "
-                      f"{m['push/total_s']:>8.3f} {plain:>14.3f} {m['push/total_s'] / plain:>12.2f} "
-                      f"{m['push/probe_max_abs_diff']:>11.2e}")
+                del tensors
+                order = ("disk", "tensor") if k % 2 == 0 else ("tensor", "disk")
+                for name in order:
+                    m = engines[name].update_weights(pushed, f"bench-{k + 1}-{name}")
+                    ratios[name] += [m["push/total_s"] / plain] if k >= 0 else []
+                    print(f"{'warm' if k < 0 else k:>5} {name:>7} {m['push/export_s']:>9.3f} {m['push/load_s']:>8.3f} "
+                          f"{m['push/verify_s']:>9.3f} {m['push/total_s']:>8.3f} {plain:>14.3f} "
+                          f"{m['push/total_s'] / plain:>12.2f} {m['push/probe_max_abs_diff']:>11.2e}")
         finally:
-            engine.close()
+            for engine in engines.values():
+                engine.close()
             manager.stop()
-
+    medians = {name: float(np.median(r)) for name, r in ratios.items()}
+    print(f"median push total / plain write: disk {medians['disk']:.2f}x, tensor {medians['tensor']:.2f}x")
+    print(f"TARGET in_memory_push: {medians['tensor']:.2f}x a plain safetensors write (goal <= {GOAL}x) "
+          f"{'met' if medians['tensor'] <= GOAL else 'missed'}")
 
 if __name__ == "__main__":
     main()

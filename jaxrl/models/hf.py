@@ -309,23 +309,36 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **co
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
+    """The tensors a transformers checkpoint of ``model`` holds, by name, on the host (parameter
+    dtype; MiniMax's derived buffers included).
+
+    With several JAX processes every process must call this (gathering parameters spread over
+    processes is a collective); process 0 gets the tensors, the others an empty dict.
+    """
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    tensors = {}
+    for m in tensor_maps(model.config):
+        # On the device, one parameter at a time: XLA lays out the transposes (about 4x numpy's
+        # strided copy on CPU), and no process ever holds more than one gathered tensor.
+        for name, array in zip(m.hf_names, m.save(flat[m.path][...]), strict=True):
+            value = distributed.to_host(array)
+            if distributed.is_main_process():
+                tensors[name] = np.ascontiguousarray(value)
+    if distributed.is_main_process():
+        tensors.update(derived_tensors(model.config))
+    return tensors
+
+
 def save_hf_checkpoint(model: Decoder, path: str) -> None:
     """Write `config.json` and `model.safetensors` (transformers layout, parameter dtype) to `path`.
 
-    With several JAX processes every process must call this (gathering parameters spread over
-    processes is a collective); process 0 alone writes, and all return once the files are complete.
+    With several JAX processes every process must call this (see :func:`hf_tensors`); process 0
+    alone writes, and all return once the files are complete.
     """
     config = model.config
-    flat = dict(nnx.to_flat_state(nnx.state(model)))
-    tensors = {}
-    for m in tensor_maps(config):
-        # One parameter at a time: the other processes never hold more than one gathered tensor.
-        value = distributed.to_host(flat[m.path][...])
-        if distributed.is_main_process():
-            for name, array in zip(m.hf_names, m.save(value), strict=True):
-                tensors[name] = np.ascontiguousarray(array)
+    tensors = hf_tensors(model)
     if distributed.is_main_process():
-        tensors.update(derived_tensors(config))
         os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(path, "config.json"), "w") as f:

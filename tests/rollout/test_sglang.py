@@ -119,6 +119,41 @@ def test_weight_push_changes_outputs_restores_them_bit_for_bit_and_bumps_the_ver
         np.testing.assert_array_equal(a[0].output_logprobs, b[0].output_logprobs)  # bit for bit
 
 
+def test_in_memory_push_serves_the_learner_weights_and_survives_a_restart(sglang_dense, tmp_path):
+    """PushConfig.method=tensor: the weights reach the server through shared memory, no checkpoint
+    is written, the probe check passes, the samples' logprobs are the pushed model's; a server
+    killed afterwards comes back from its last checkpoint on disk and is given the pushed tensors
+    again (in new shared files: the dead server's took theirs) before the failed request is
+    retried, and later pushes use the new files. The fleet's own weights go back at the end."""
+    manager, original = sglang_dense.manager, sglang_dense.model
+    engine = SGLangEngine(manager, push=PushConfig(method="tensor", checkpoint_dir=str(tmp_path / "unused")))
+    pushed = perturbed(original, seed=13)
+    try:
+        metrics = engine.update_weights(pushed, "in-memory-1")
+        assert metrics["push/probe_max_abs_diff"] <= engine.push_config.probe_atol
+        assert not (tmp_path / "unused").exists()
+        params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)
+
+        def aligned(samples):
+            for prompt, group in zip(PROMPTS, samples, strict=True):
+                s = group[0]
+                assert s.weight_version == "in-memory-1"
+                ids = np.concatenate([s.prompt_ids, s.output_ids])[None]
+                want = sequence_logprobs(pushed, ids, np.asarray([ids.shape[1]]))[0, len(prompt):]
+                assert np.max(np.abs(s.output_logprobs - want)) <= ALIGN_TOL
+
+        aligned(engine.generate(PROMPTS, params))
+        restarts = manager.restarts(0)
+        manager.kill(0)
+        aligned(engine.generate(PROMPTS, params))  # fails, restarts the server, reloads, retries
+        assert manager.restarts(0) == restarts + 1
+        # The dead server's files are gone; the next push goes through the renewed ones.
+        assert engine.update_weights(original, "in-memory-2")["push/probe_max_abs_diff"] <= ALIGN_TOL
+    finally:
+        engine.close()
+        sglang_dense.engine.update_weights(original, "after-in-memory")  # the fleet's engine, its own version
+
+
 def test_spot_check_catches_a_wrong_push(sglang_dense, tmp_path):
     """The export writes other weights than the learner holds: the probe check must fail."""
     wrong = perturbed(sglang_dense.model, seed=11)

@@ -13,7 +13,10 @@ all-gathered so every process returns the same full list in prompt order.
 ``update_weights`` is then a collective too (see push.py).
 
 Weight push: ``update_weights`` hands the learner's parameters to ``WeightPusher``
-(push.py), which exports, loads, verifies and prunes.
+(push.py), which exports (a checkpoint, or shared-memory tensors with ``PushConfig.method:
+tensor``), loads, verifies and prunes. A server the fleet restarts after a failed request is
+given the pushed tensors again before the request is retried (with a checkpoint push the fleet
+restarts it from the last pushed checkpoint itself).
 """
 
 from __future__ import annotations
@@ -29,16 +32,17 @@ from jaxrl import distributed
 from jaxrl.rollout.base import LogprobKind, RolloutEngine, Sample, SamplingParams
 from jaxrl.rollout.sglang.client import ClientConfig, SGLangClient, generate_payload, parse_samples
 from jaxrl.rollout.sglang.fleet import Fleet
-from jaxrl.rollout.sglang.push import (ExportFn, PushConfig, RecomputeFn, WeightPusher, export_decoder,
-                                       recompute_decoder)
+from jaxrl.rollout.sglang.push import (ExportFn, PushConfig, RecomputeFn, TensorsFn, WeightPusher, export_decoder,
+                                       recompute_decoder, tensors_decoder)
 
 
 class SGLangEngine(RolloutEngine):
     """Rollouts on the servers of a ``Fleet``: a started ``ServerManager`` or ``ExternalServers``.
 
-    export_fn / recompute_fn: how to write the learner's parameters as an HF
-      checkpoint and how the learner scores a sequence (used by ``update_weights``
-      only, through ``WeightPusher``). The defaults take a ``jaxrl.models.Decoder`` as ``params``.
+    export_fn / recompute_fn / tensors_fn: how to write the learner's parameters as an HF
+      checkpoint, how the learner scores a sequence and the HF tensors of the parameters
+      (used by ``update_weights`` only, through ``WeightPusher``). The defaults take a
+      ``jaxrl.models.Decoder`` as ``params``.
     """
 
     def __init__(
@@ -48,12 +52,13 @@ class SGLangEngine(RolloutEngine):
         recompute_fn: RecomputeFn = recompute_decoder,
         push: PushConfig = PushConfig(),
         client: ClientConfig = ClientConfig(),
+        tensors_fn: TensorsFn = tensors_decoder,
     ):
         self.manager = manager
         self.push_config = push
-        self._client = SGLangClient(manager.urls, client, on_failure=manager.ensure_running,
+        self._client = SGLangClient(manager.urls, client, on_failure=self._recover,
                                     describe=manager.describe, api_key=manager.api_key)
-        self._pusher = WeightPusher(manager, self._client, push, export_fn, recompute_fn)
+        self._pusher = WeightPusher(manager, self._client, push, export_fn, recompute_fn, tensors_fn)
         model_config = _read_model_config(manager.model_path)
         self.vocab_size = int(model_config["vocab_size"])
         if max(push.probe_ids) >= self.vocab_size:
@@ -110,6 +115,14 @@ class SGLangEngine(RolloutEngine):
         self.last_push_metrics = self._pusher.push(params, version)
         self._version = version
         return dict(self.last_push_metrics)
+
+    def _recover(self, index: int) -> bool:
+        """The client's retry hook: the fleet restarts server ``index`` if it died, then the pusher
+        gives it the pushed weights it cannot load from disk."""
+        restarted = bool(self.manager.ensure_running(index))
+        if restarted:
+            self._pusher.reload(index)
+        return restarted
 
     def flush_cache(self) -> None:
         """Empties every server's prefix (radix) cache, so the next prompts are prefilled afresh."""

@@ -1,11 +1,14 @@
 """The SGLang weight push and its verification (docs/rollouts.md#weight-push-and-its-verification).
 
-Export the learner's parameters as a Hugging Face checkpoint into a temporary
-folder, rename it into place (a crash never leaves a half-written checkpoint a
-server could load), ``/update_weights_from_disk`` on every server with the new
-``weight_version``, confirm the version in ``/model_info``, then score a fixed
-probe sequence on every server and compare with the learner's own recompute.
-A mismatch is a ``PushVerificationError``.
+``PushConfig.method: disk`` (the default): export the learner's parameters as a Hugging Face
+checkpoint into a temporary folder, rename it into place (a crash never leaves a
+half-written checkpoint a server could load), ``/update_weights_from_disk`` on every server
+with the new ``weight_version``. ``method: tensor``, for servers on the learner's host and
+one JAX process: the same named tensors go to ``/update_weights_from_tensor`` through shared
+memory (``jaxrl.rollout.sglang.tensors``), no file written; the pusher keeps them, so a
+server that restarts is given them again (``reload``). Then, either way, confirm the version
+in ``/model_info``, score a fixed probe sequence on every server and compare with the
+learner's own recompute. A mismatch is a ``PushVerificationError``.
 
 With several JAX processes (jaxrl.distributed) a push is a collective: the export
 is written once to ``PushConfig.checkpoint_dir`` (which all hosts must see) and
@@ -14,13 +17,16 @@ every process loads it on, and verifies, its own servers.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import pathlib
 import shutil
+import threading
 import time
+import urllib.parse
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import jax
 import numpy as np
@@ -34,6 +40,10 @@ from jaxrl.rollout.sglang.fleet import Fleet
 ExportFn = Callable[[Any, str], None]
 # (params, token_ids [L] int) -> [L - 1] float: log p(token_{t+1} | tokens_{<=t}), raw logits, T = 1.
 RecomputeFn = Callable[[Any, np.ndarray], np.ndarray]
+# (params) -> {HF tensor name: host array}: what a checkpoint of ``params`` holds (method: tensor).
+TensorsFn = Callable[[Any], dict[str, np.ndarray]]
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def export_decoder(model, path: str) -> None:
@@ -41,6 +51,13 @@ def export_decoder(model, path: str) -> None:
     from jaxrl.models import save_hf_checkpoint
 
     save_hf_checkpoint(model, path)
+
+
+def tensors_decoder(model) -> dict[str, np.ndarray]:
+    """Default ``TensorsFn``: ``jaxrl.models.hf.hf_tensors`` of the learner's ``Decoder``."""
+    from jaxrl.models.hf import hf_tensors
+
+    return hf_tensors(model)
 
 
 def recompute_decoder(model, token_ids: np.ndarray) -> np.ndarray:
@@ -54,11 +71,14 @@ def recompute_decoder(model, token_ids: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class PushConfig:
-    """checkpoint_dir: where pushed checkpoints are written (``weights-<version>``);
+    """method: "disk" (a checkpoint per push, any host) or "tensor" (shared memory, servers on
+    this host, one JAX process; docs/rollouts.md#weight-push-and-its-verification);
+    checkpoint_dir: where pushed checkpoints are written (``weights-<version>``; method disk);
     keep_checkpoints: newest pushed checkpoints kept on disk (>= 1: a restarted server reloads the newest);
     probe_ids: the fixed token sequence scored after every push (>= 2 tokens);
     probe_atol: largest allowed |engine logprob - learner logprob| on the probe."""
 
+    method: Literal["disk", "tensor"] = "disk"
     checkpoint_dir: str = "runs/sglang/checkpoints"
     keep_checkpoints: int = 2
     probe_ids: tuple[int, ...] = (1, 7, 23, 3, 29, 5, 12, 8, 30, 2, 31, 17)
@@ -66,6 +86,8 @@ class PushConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "probe_ids", tuple(int(t) for t in self.probe_ids))
+        if self.method not in ("disk", "tensor"):
+            raise ValueError(f"PushConfig.method: got {self.method!r}, expected 'disk' or 'tensor'")
         if self.keep_checkpoints < 1:
             raise ValueError(f"PushConfig.keep_checkpoints: got {self.keep_checkpoints}, expected >= 1")
         if len(self.probe_ids) < 2 or min(self.probe_ids) < 0:
@@ -148,12 +170,22 @@ class WeightPusher:
     """
 
     def __init__(self, fleet: Fleet, client: SGLangClient, config: PushConfig = PushConfig(),
-                 export_fn: ExportFn = export_decoder, recompute_fn: RecomputeFn = recompute_decoder):
+                 export_fn: ExportFn = export_decoder, recompute_fn: RecomputeFn = recompute_decoder,
+                 tensors_fn: TensorsFn = tensors_decoder):
         self.fleet = fleet
         self.config = config
         self._client = client
         self._checkpoints = PushedCheckpoints(config.checkpoint_dir, config.keep_checkpoints, export_fn)
         self._recompute_fn = recompute_fn
+        self._tensors_fn = tensors_fn
+        self._last_tensors: tuple[str, str] | None = None  # method tensor: (payload, version) for restarts
+        self._reload_lock = threading.Lock()
+        self._reloading = threading.local()  # set while this thread reloads a restarted server
+        if config.method == "tensor":
+            self._check_tensor_method()
+            from jaxrl.rollout.sglang.tensors import SharedTensors
+
+            self._shared = SharedTensors()
 
     def push(self, params, version: str) -> dict[str, float]:
         """Pushes ``params`` as ``version`` and verifies it; returns timing metrics.
@@ -163,15 +195,24 @@ class WeightPusher:
         probe checks), push/total_s, push/probe_max_abs_diff (nats).
         """
         start = time.perf_counter()
-        path = self._checkpoints.write(params, version)
-        exported = time.perf_counter()
-        self._load_everywhere(path, version)
+        if self.config.method == "tensor":
+            self._last_tensors = None  # the buffers are about to hold weights no server has verified
+            payload = self._shared.payload(self._tensors_fn(params))
+            exported = time.perf_counter()
+            self._call_everywhere(lambda i: self._load_tensors(i, payload, version))
+        else:
+            path = self._checkpoints.write(params, version)
+            exported = time.perf_counter()
+            self._load_everywhere(path, version)
         loaded = time.perf_counter()
         self._check_versions(version)
         diff = self._check_probe(params, version)
         verified = time.perf_counter()
-        self.fleet.record_weights(str(path), version)
-        self._checkpoints.prune(newest=path)
+        if self.config.method == "tensor":
+            self._last_tensors = (payload, version)
+        else:
+            self.fleet.record_weights(str(path), version)
+            self._checkpoints.prune(newest=path)
         return {
             "push/export_s": exported - start,
             "push/load_s": loaded - exported,
@@ -190,6 +231,59 @@ class WeightPusher:
                 raise PushVerificationError(
                     f"{self.fleet.describe(i)}: {name} failed: {result.get('message')!r}; check "
                     "that the checkpoint has the served architecture and parameter names")
+
+    def reload(self, index: int) -> None:
+        """After server ``index`` restarted: with method tensor it came back with the last
+        checkpoint on disk, so it is given the last pushed tensors again, in new shared files
+        (``SharedTensors.renew``), and checked for their version. Called from the client's retry
+        path, in one of its threads; a restart during the reload is left to this reload."""
+        if self._last_tensors is None or getattr(self._reloading, "active", False):
+            return
+        with self._reload_lock:
+            self._reloading.active = True
+            try:
+                version = self._last_tensors[1]
+                payload = self._shared.renew()
+                self._last_tensors = (payload, version)
+                self._load_tensors(index, payload, version)
+                info = self._client.request(index, "GET", "/model_info", None,
+                                            f"version check after reloading {version!r}")
+            finally:
+                self._reloading.active = False
+        if info.get("weight_version") != version:
+            raise PushVerificationError(f"{self.fleet.describe(index)} restarted and was given the tensors of version "
+                                        f"{version!r} again, but reports {info.get('weight_version')!r}")
+
+    def _check_tensor_method(self) -> None:
+        if jax.process_count() > 1:
+            raise ValueError("PushConfig.method=tensor runs with one JAX process (the tensors are handed over on "
+                             "this host); use method=disk with several processes")
+        remote = [url for url in self.fleet.urls if urllib.parse.urlsplit(url).hostname not in LOCAL_HOSTS]
+        if remote:
+            raise ValueError(f"PushConfig.method=tensor needs the servers on this host, but {remote[0]} is not a "
+                             "local address; use method=disk (a checkpoint the servers can read) for remote servers")
+
+    def _call_everywhere(self, load: Callable[[int], None]) -> None:
+        """``load(i)`` for every server at once (each its own HTTP calls); the first failure is raised."""
+        with concurrent.futures.ThreadPoolExecutor(self.fleet.num_servers) as pool:
+            for future in [pool.submit(load, i) for i in range(self.fleet.num_servers)]:
+                future.result()
+
+    def _load_tensors(self, index: int, payload: str, version: str) -> None:
+        """One server's ``/update_weights_from_tensor`` of ``payload`` (``SharedTensors``) inside
+        the weight-update session SGLang requires (``/begin_weight_update`` ..
+        ``/end_weight_update``, closed even on failure)."""
+        name = f"in-memory weight push of version {version!r}"
+        self._client.request(index, "POST", "/begin_weight_update", {}, name)
+        try:
+            result = self._client.request(index, "POST", "/update_weights_from_tensor", {
+                "serialized_named_tensors": [payload], "weight_version": version, "flush_cache": True}, name)
+        finally:
+            self._client.request(index, "POST", "/end_weight_update", {}, name)
+        if not result.get("success", False):
+            raise PushVerificationError(
+                f"{self.fleet.describe(index)}: {name} failed: {result.get('message')!r}; check that the tensors "
+                "have the served architecture's names and shapes, or use PushConfig.method=disk")
 
     def _check_versions(self, version: str) -> None:
         infos = self._client.map([(i, "GET", "/model_info", None, f"version check after pushing {version!r}")

@@ -1,0 +1,98 @@
+"""Named tensors handed to a local SGLang server through shared memory (``PushConfig.method: tensor``).
+
+SGLang's ``/update_weights_from_tensor`` takes, per tensor-parallel rank, a base64 string of a
+``multiprocessing.reduction.ForkingPickler`` pickle of ``[(name, torch.Tensor), ...]``; a CPU
+tensor pickles as the name of a shared-memory file holding its data (torch's ``file_system``
+sharing strategy; the default ``file_descriptor`` one crashed SGLang's scheduler on CPU), so
+only names and shapes travel over HTTP and the server copies the data straight into its
+parameters. The files live as long as the tensors returned here: keep them until the server
+has answered.
+
+Needs ``torch`` in the learner's environment (it is in jaxrl's pinned requirements) and the
+server on the same host.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+
+
+class SharedTensors:
+    """Shared-memory tensors, one per name, rewritten in place at every push.
+
+    ``payload(tensors)`` copies each host array into its buffer and returns the rank's payload
+    string. Reusing the buffers matters for speed: fresh shared memory costs a page fault per
+    page on first write (measured: about 0.4 s for 377 MiB here, against under 0.1 s to rewrite
+    warm buffers). The server copies the data into its parameters while it answers the request,
+    so the buffers may be rewritten for the next push once it has answered; until then they
+    hold the last pushed weights, which a restarted server is given again.
+
+    A server that exits takes the names of the files it opened with it (torch's shared-memory
+    manager of that process unlinks them), though the data stays mapped here: after a restart
+    :meth:`renew` moves the data into new files and gives the payload that names them.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, object] = {}
+
+    def payload(self, tensors: dict[str, np.ndarray]) -> str:
+        torch = _torch()
+        for name, array in tensors.items():
+            buffer = self._buffers.get(name)
+            if buffer is None or tuple(buffer.shape) != array.shape or _numpy_dtype(buffer) != array.dtype:
+                buffer = self._buffers[name] = _shared_tensor(torch, array)
+            _copy_into(torch, buffer, array)
+        return self._pickled()
+
+    def renew(self) -> str:
+        """The same data in new shared-memory files; returns their payload."""
+        torch = _torch()
+        for name, old in self._buffers.items():
+            new = _shared_tensor(torch, np.zeros(tuple(old.shape), _numpy_dtype(old)))
+            new.copy_(old)
+            self._buffers[name] = new
+        return self._pickled()
+
+    def _pickled(self) -> str:
+        from multiprocessing.reduction import ForkingPickler
+
+        stream = io.BytesIO()
+        # torch.multiprocessing registered ForkingPickler's tensor reducers when imported.
+        ForkingPickler(stream).dump(list(self._buffers.items()))
+        return base64.b64encode(stream.getvalue()).decode()
+
+
+def _torch():
+    try:
+        import torch
+        import torch.multiprocessing as torch_mp
+    except ImportError as err:  # pragma: no cover - torch is a pinned requirement
+        raise ImportError("PushConfig.method=tensor needs torch in the learner's environment "
+                          f"(pip install torch), or use method=disk: {err}") from None
+    # Process-wide, and the only strategy the CPU server can open (module doc).
+    torch_mp.set_sharing_strategy("file_system")
+    return torch
+
+
+def _shared_tensor(torch, array: np.ndarray):
+    """A new contiguous shared-memory tensor of ``array``'s shape and dtype (bfloat16, which
+    ml_dtypes holds and torch cannot wrap, as torch's own)."""
+    dtype = torch.bfloat16 if array.dtype.name == "bfloat16" else torch.from_numpy(np.zeros(0, array.dtype)).dtype
+    storage = torch.UntypedStorage._new_shared(max(array.nbytes, 1))  # in the file_system strategy's memory
+    return torch.empty(0, dtype=dtype).set_(storage, 0, array.shape)
+
+
+def _numpy_dtype(tensor) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if str(tensor.dtype) == "torch.bfloat16" else tensor.numpy().dtype
+
+
+def _copy_into(torch, tensor, array: np.ndarray) -> None:
+    if tensor.dtype == torch.bfloat16:  # through the bits
+        np.copyto(tensor.view(torch.int16).numpy(), array.view(np.int16))
+    else:
+        np.copyto(tensor.numpy(), array)
