@@ -56,11 +56,16 @@ def make_config(spec: dict, shape: dict, out: str, recompute: str):
     from jaxrl.config import from_dict
     from jaxrl.trainer.config import TrainConfig
 
+    return from_dict(TrainConfig, config_dict(spec, shape, out, recompute))
+
+
+def config_dict(spec: dict, shape: dict, out: str, recompute: str) -> dict:
+    """The TrainConfig of this side as the dict a YAML file would give (bench/async_speedup.py edits it)."""
     architecture = {k: shape[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                           "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps",
                                           "tie_word_embeddings")}
     architecture["max_position_embeddings"] = spec["prompt_tokens"] + spec["new_tokens"]
-    return from_dict(TrainConfig, {
+    return {
         "output_dir": out, "steps": 10**6, "seed": spec["seed"],
         "model": {"architecture": architecture, "init_seed": spec["seed"], "dtype": "float32",
                   "param_dtype": "float32"},
@@ -79,7 +84,7 @@ def make_config(spec: dict, shape: dict, out: str, recompute: str):
         "update": {"mini_batches": 1, "micro_batches": 1, "recompute_old_logp": recompute},
         "optimizer": {"lr": spec["lr"], "clip_norm": spec["clip_norm"], "weight_decay": 0.0},
         "logging": {"progress": False, "tensorboard": False, "plots": False},
-    })
+    }
 
 
 def figures(metrics: dict, samples: int) -> dict:

@@ -8,8 +8,10 @@ thread: ``OMP_NUM_THREADS=1``) started from the same random Qwen3-style checkpoi
 (the server generates batch k + 1 with the previous weights while the learner updates on batch
 k). The work is sized so that generation and the learner's update take about the same time,
 which is where overlapping them pays most: 4 layers x hidden 256 (the bench/vs_tunix.py
-"large" shape), 4 prompts x 4 samples of exactly 32 new tokens (``<eos>`` lies outside the
-model's vocabulary), AdamW, the recompute and a k3 KL to the frozen reference.
+"large" shape), 8 prompts (``--prompts``) x 4 samples of exactly 32 new tokens (``<eos>``
+lies outside the model's vocabulary), AdamW, the recompute and a k3 KL to the frozen
+reference. On a 2-core machine the server's thread and the update's two compete for the cores
+while they overlap, which bounds what overlapping can gain there.
 
 Rounds alternate which trainer runs first; each runs ``--steps`` steps timed end to end by
 the wall clock (``train_step_once`` calls back to back, so the asynchronous trainer's hidden
@@ -45,14 +47,13 @@ def free_port() -> int:
 
 
 def build(spec: dict, workdir: str, model_path: str, staleness: int):
-    from _jaxrl_side import make_config
+    from _jaxrl_side import config_dict
 
     from jaxrl.config import from_dict
     from jaxrl.trainer.config import TrainConfig
     from jaxrl.trainer.rl import RLTrainer
 
-    base = make_config(spec, spec["shapes"]["large"], os.path.join(workdir, f"run-s{staleness}"), "always")
-    data = json.loads(json.dumps(_asdict(base)))
+    data = config_dict(spec, spec["shapes"]["large"], os.path.join(workdir, f"run-s{staleness}"), "always")
     data["model"] = {"hf_path": model_path, "dtype": "float32", "param_dtype": "float32"}
     data["rollout"].update(engine="sglang", max_staleness=staleness, sglang={
         "server": {"model_path": model_path, "base_port": free_port(),
@@ -61,26 +62,11 @@ def build(spec: dict, workdir: str, model_path: str, staleness: int):
     return RLTrainer(from_dict(TrainConfig, data), overwrite=True)
 
 
-def _asdict(config) -> dict:
-    import dataclasses
-    import enum
-
-    def plain(x):
-        if dataclasses.is_dataclass(x):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x) if not f.name.startswith("_")}
-        if isinstance(x, enum.Enum):
-            return x.value
-        if isinstance(x, (list, tuple)):
-            return [plain(v) for v in x]
-        return x
-
-    return {k: v for k, v in plain(config).items() if v is not None}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per trainer per round")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (x 4 samples)")
     parser.add_argument("--json", help="write every figure to this JSON file")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -92,7 +78,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="async_speedup-") as workdir:
         spec = write_inputs(workdir)
-        spec["workdir"] = workdir
+        spec.update(workdir=workdir, prompts_per_step=args.prompts)
         shape = SHAPES["large"]
         model_path = os.path.join(workdir, "init_hf")
         write_random_checkpoint(model_path, ModelConfig(
