@@ -88,8 +88,9 @@ class Block(nnx.Module):
         self.is_moe = c.mlp_types[layer_index] == "moe"
         self.mlp = MoE(c, rngs=rngs) if self.is_moe else MLP(c, c.intermediate_size, rngs=rngs)
 
-    def __call__(self, h, positions, segment_ids, cache=None, kv_segment_ids=None, write_index=None):
-        """h: [B, T, D] float32. Returns (h, cache, (attn_out, mlp_out), (router probs, experts) or None)."""
+    def __call__(self, h, positions, segment_ids, cache=None, kv_segment_ids=None, write_index=None, routes=None):
+        """h: [B, T, D] float32; routes: [B, T, k] experts to replay in a MoE block (or None).
+        Returns (h, cache, (attn_out, mlp_out), (router probs, experts) or None)."""
         attn_in = self.input_norm(h)
         attn_out, cache = self.attn(attn_in.astype(self.dtype), positions=positions,
                                     segment_ids=segment_ids, cache=cache, kv_segment_ids=kv_segment_ids,
@@ -100,7 +101,7 @@ class Block(nnx.Module):
         mlp_in = mlp_norm.astype(self.dtype)
         routing = None
         if self.is_moe:
-            mlp_out, probs, experts = self.mlp(mlp_in)
+            mlp_out, probs, experts = self.mlp(mlp_in, routes)
             routing = (probs, experts)
         else:
             mlp_out = self.mlp(mlp_in)
@@ -156,9 +157,12 @@ class Decoder(nnx.Module):
             index=jnp.zeros(() if shared_index else (batch,), jnp.int32))
 
     def __call__(self, input_ids, positions, segment_ids=None, *, cache: DecodeCache | None = None,
-                 capture: bool = False) -> DecoderOutput:
+                 capture: bool = False, routed_experts: jax.Array | None = None) -> DecoderOutput:
         """input_ids, positions, segment_ids: [B, T] int (segment ids: 0 = padding, equal ids attend
-        causally, so packed sequences take distinct ids; None = one sequence per row)."""
+        causally, so packed sequences take distinct ids; None = one sequence per row).
+        routed_experts: [B, T, num_moe_layers, k] int, the experts each MoE layer uses at each
+        position instead of its own top-k (rollout routing replay, ``MoE``; -1 where none were
+        recorded), or None."""
         c = self.config
         if input_ids.ndim != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids {input_ids.shape} and positions {positions.shape} must both be [B, T]")
@@ -167,6 +171,10 @@ class Decoder(nnx.Module):
         elif segment_ids.shape != input_ids.shape:
             raise ValueError(f"segment_ids {segment_ids.shape} must match input_ids {input_ids.shape}")
         segment_ids = segment_ids.astype(jnp.int32)
+        moe_layers = [i for i, kind in enumerate(c.mlp_types) if kind == "moe"]
+        want = (*input_ids.shape, len(moe_layers), c.num_experts_per_tok)
+        if routed_experts is not None and tuple(routed_experts.shape) != want:
+            raise ValueError(f"routed_experts {tuple(routed_experts.shape)} must be [B, T, MoE layers, k] = {want}")
         h = jnp.take(self.embed[...], input_ids, axis=0).astype(F32)
         h = constrain(h, ("batch", "length", "act_embed"))
         activations = {"embed": h} if capture else None
@@ -179,8 +187,10 @@ class Decoder(nnx.Module):
         layer_caches, probs, experts = [], [], []
         for i, block in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layers[i]
+            replayed = routed_experts is not None and i in moe_layers
+            routes = routed_experts[:, :, moe_layers.index(i)] if replayed else None
             h, layer_cache, (attn_out, mlp_out), routing = block_call(
-                block, h, positions, segment_ids, layer_cache, kv_segment_ids, write_index)
+                block, h, positions, segment_ids, layer_cache, kv_segment_ids, write_index, routes)
             layer_caches.append(layer_cache)
             if routing is not None:
                 probs.append(routing[0])

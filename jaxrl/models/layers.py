@@ -260,7 +260,11 @@ class MoE(nnx.Module):
     """Top-k routed SwiGLU experts (Qwen3-MoE), optional shared expert (Qwen2-MoE style, ungated).
 
     Router logits and softmax in float32; `lax.top_k` breaks ties by the lower expert index;
-    top-k weights renormalised when `norm_topk_prob`. The k assignments of every token are
+    top-k weights renormalised when `norm_topk_prob`. Rollout routing replay (R3): given
+    `routes` [B, T, k], a position whose k entries are all >= 0 uses those experts instead of its
+    top-k, with combine weights from the current router (its probabilities of those experts,
+    renormalised when `norm_topk_prob`, as the top-k's are), so the router still gets
+    gradients; positions with -1 (padding, unrecorded) route as usual. The k assignments of every token are
     stably sorted by expert (ties by token, then slot), run through grouped matmuls
     (`GroupedMatmul`: `jax.lax.ragged_dot`, or a blocked equivalent on CPU), scaled by their
     weights, un-permuted and summed over the k slots in slot order: a fixed permutation and
@@ -280,28 +284,36 @@ class MoE(nnx.Module):
         self.shared_expert_gate = (make_param(rngs, (d, 1), ("embed", None), pd)
                                    if self.shared_expert is not None and c.shared_expert_gate else None)
 
-    def route(self, x_flat: jax.Array, router: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x_flat [N, D] -> (router probs [N, E] f32, top-k weights [N, k] f32, top-k experts [N, k] int32)."""
+    def route(self, x_flat: jax.Array, router: jax.Array | None = None, replay: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x_flat [N, D], replay [N, k] int or None -> (router probs [N, E] f32, combine weights
+        [N, k] f32, experts [N, k] int32): the top-k, or the replayed experts where given."""
         router = self.router[...] if router is None else router
         logits = jnp.dot(x_flat.astype(F32), router.astype(F32), preferred_element_type=F32)
         probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, self.config.num_experts_per_tok)
+        if replay is not None:
+            given = jnp.all(replay >= 0, axis=-1, keepdims=True)
+            experts = jnp.where(given, replay.astype(experts.dtype), experts)
+            weights = jnp.take_along_axis(probs, experts, axis=-1)
         if self.config.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return probs, weights, experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array):
-        """x: [B, T, D]. Returns (y [B, T, D] float32, probs [B, T, E] f32, experts [B, T, k] int32)."""
+    def __call__(self, x: jax.Array, routes: jax.Array | None = None):
+        """x: [B, T, D]; routes: [B, T, k] int experts to replay (-1: none) or None. Returns
+        (y [B, T, D] float32, probs [B, T, E] f32, experts used [B, T, k] int32)."""
         dtype = self.config.compute_dtype
         batch, length, dim = x.shape
         mesh = jax.sharding.get_abstract_mesh()
         batch_axes = logical_to_spec(("batch",), x.shape[:1], mesh)[0] if not mesh.empty else None
         if not mesh.empty and mesh.shape.get("expert", 1) > 1 and "expert" in (batch_axes or ()):
-            y, probs, experts = self._expert_parallel(x, mesh)
+            y, probs, experts = self._expert_parallel(x, mesh, routes)
             y, probs, experts = y.reshape(batch * length, dim), probs.reshape(batch * length, -1), experts
         else:
             x_flat = x.reshape(batch * length, dim).astype(dtype)
-            probs, weights, experts = self.route(x_flat)
+            replay = None if routes is None else routes.reshape(batch * length, -1)
+            probs, weights, experts = self.route(x_flat, replay=replay)
             y = self._experts(x_flat, weights, experts, self.gate_proj[...], self.up_proj[...], self.down_proj[...], 0)
         if self.shared_expert is not None:
             shared = self.shared_expert(x.astype(dtype))  # [B, T, D]: its activation hints name batch and length
@@ -336,7 +348,7 @@ class MoE(nnx.Module):
             y = y + out[:, slot]
         return y
 
-    def _expert_parallel(self, x: jax.Array, mesh):
+    def _expert_parallel(self, x: jax.Array, mesh, routes: jax.Array | None = None):
         """Expert parallelism over the mesh axis "expert" (tokens sharded over it as part of "batch").
 
         Each device routes its own tokens, all-gathers tokens and routing over "expert", runs only
@@ -346,7 +358,8 @@ class MoE(nnx.Module):
         static, so the blocked (CPU) grouped matmul is sized for all gathered assignments: there
         EP saves expert-weight memory, not FLOPs; ragged_dot need not touch other experts' rows.
         Only used when "expert" shards the batch (otherwise XLA partitions the plain path).
-        Returns (y [B, T, D] f32, probs [B, T, E] f32, experts [B, T, k] int32).
+        Routes to replay (or None) are sharded like the tokens. Returns (y [B, T, D] f32, probs
+        [B, T, E] f32, experts [B, T, k] int32).
         """
         c, dtype = self.config, self.config.compute_dtype
         local_count = c.num_experts // mesh.shape["expert"]
@@ -354,16 +367,18 @@ class MoE(nnx.Module):
         row_spec = PartitionSpec(x_spec[0], x_spec[1], None)
         expert_spec = PartitionSpec("expert", None, None)
 
-        def local(x_local, router, gate_w, up_w, down_w):
+        def local(x_local, routes_local, router, gate_w, up_w, down_w):
             b, t, d = x_local.shape
             x_flat = x_local.reshape(b * t, d).astype(dtype)
-            probs, weights, experts = self.route(x_flat, router)
+            replay = None if routes_local is None else routes_local.reshape(b * t, -1)
+            probs, weights, experts = self.route(x_flat, router, replay)
             gather = functools.partial(jax.lax.all_gather, axis_name="expert", tiled=True)
             y_all = self._experts(gather(x_flat), gather(weights), gather(experts), gate_w, up_w, down_w,
                                   jax.lax.axis_index("expert") * local_count)
             y = jax.lax.psum_scatter(y_all, "expert", scatter_dimension=0, tiled=True)
             return y.reshape(b, t, d), probs.reshape(b, t, -1), experts.reshape(b, t, -1)
 
-        return jax.shard_map(local, in_specs=(x_spec, PartitionSpec(), expert_spec, expert_spec, expert_spec),
+        return jax.shard_map(local, in_specs=(x_spec, None if routes is None else row_spec, PartitionSpec(),
+                                              expert_spec, expert_spec, expert_spec),
                              out_specs=(x_spec, row_spec, row_spec))(
-            x, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+            x, routes, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...])
