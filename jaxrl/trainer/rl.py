@@ -367,7 +367,7 @@ class RLTrainer:
         self.skipped_updates = int(meta["skipped_updates"])
         if "guard" in meta:  # absent in checkpoints written before the update guard existed
             self.guard.restore(meta["guard"])
-        self.rollouts.restore({"data": meta["data"], "pending": meta.get("pending", [])})
+        self.rollouts.restore(meta)
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:

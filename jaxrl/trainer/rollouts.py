@@ -84,8 +84,7 @@ class RolloutQueue:
         if index not in self._pending:
             raise RuntimeError(f"rollout batch {index} was never started (pending: {sorted(self._pending)}); "
                                "call fill() after each weight push")
-        batch = self._finish(self._pending.pop(index))
-        return batch
+        return self._finish(self._pending.pop(index))
 
     def before_push(self) -> float:
         """Waits for every started batch (they use the weights about to be replaced); returns the seconds waited."""
@@ -110,7 +109,8 @@ class RolloutQueue:
 
     def restore(self, record: dict[str, Any]) -> None:
         """Puts back the state of :meth:`state`: the iterator and the saved batches (same prompts,
-        redrawn from the restored iterator; the saved samples). Call :meth:`fill` next."""
+        redrawn from the restored iterator; the saved samples), from a checkpoint's meta record
+        (``pending`` absent in checkpoints written before it existed). Call :meth:`fill` next."""
         self.iterator.restore(record["data"])
         for saved in record.get("pending", ()):
             batch = RolloutBatch(int(saved["index"]), [], int(saved["weights"]), self.iterator.state())

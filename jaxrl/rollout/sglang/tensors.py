@@ -5,8 +5,7 @@ SGLang's ``/update_weights_from_tensor`` takes, per tensor-parallel rank, a base
 tensor pickles as the name of a shared-memory file holding its data (torch's ``file_system``
 sharing strategy; the default ``file_descriptor`` one crashed SGLang's scheduler on CPU), so
 only names and shapes travel over HTTP and the server copies the data straight into its
-parameters. The files live as long as the tensors returned here: keep them until the server
-has answered.
+parameters. ``SharedTensors`` keeps the buffers (and so the files) from push to push.
 
 Needs ``torch`` in the learner's environment (it is in jaxrl's pinned requirements) and the
 server on the same host.
@@ -36,14 +35,16 @@ class SharedTensors:
     """
 
     def __init__(self):
-        self._buffers: dict[str, object] = {}
+        self._buffers: dict[str, object] = {}  # name -> shared torch tensor
+        self._dtypes: dict[str, np.dtype] = {}  # name -> the host arrays' dtype
 
     def payload(self, tensors: dict[str, np.ndarray]) -> str:
         torch = _torch()
         for name, array in tensors.items():
             buffer = self._buffers.get(name)
-            if buffer is None or tuple(buffer.shape) != array.shape or _numpy_dtype(buffer) != array.dtype:
-                buffer = self._buffers[name] = _shared_tensor(torch, array)
+            if buffer is None or tuple(buffer.shape) != array.shape or self._dtypes[name] != array.dtype:
+                buffer = self._buffers[name] = _shared_tensor(torch, array.shape, array.dtype)
+                self._dtypes[name] = array.dtype
             _copy_into(torch, buffer, array)
         return self._pickled()
 
@@ -51,9 +52,8 @@ class SharedTensors:
         """The same data in new shared-memory files; returns their payload."""
         torch = _torch()
         for name, old in self._buffers.items():
-            new = _shared_tensor(torch, np.zeros(tuple(old.shape), _numpy_dtype(old)))
-            new.copy_(old)
-            self._buffers[name] = new
+            self._buffers[name] = _shared_tensor(torch, tuple(old.shape), self._dtypes[name])
+            self._buffers[name].copy_(old)
         return self._pickled()
 
     def _pickled(self) -> str:
@@ -77,18 +77,14 @@ def _torch():
     return torch
 
 
-def _shared_tensor(torch, array: np.ndarray):
-    """A new contiguous shared-memory tensor of ``array``'s shape and dtype (bfloat16, which
+def _shared_tensor(torch, shape: tuple[int, ...], dtype: np.dtype):
+    """A new contiguous shared-memory tensor of this shape and numpy dtype (bfloat16, which
     ml_dtypes holds and torch cannot wrap, as torch's own)."""
-    dtype = torch.bfloat16 if array.dtype.name == "bfloat16" else torch.from_numpy(np.zeros(0, array.dtype)).dtype
-    storage = torch.UntypedStorage._new_shared(max(array.nbytes, 1))  # in the file_system strategy's memory
-    return torch.empty(0, dtype=dtype).set_(storage, 0, array.shape)
-
-
-def _numpy_dtype(tensor) -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16) if str(tensor.dtype) == "torch.bfloat16" else tensor.numpy().dtype
+    dtype = np.dtype(dtype)
+    torch_dtype = torch.bfloat16 if dtype.name == "bfloat16" else torch.from_numpy(np.zeros(0, dtype)).dtype
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))  # in the file_system strategy's memory
+    return torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)
 
 
 def _copy_into(torch, tensor, array: np.ndarray) -> None:
