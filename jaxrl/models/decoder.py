@@ -65,13 +65,16 @@ class DecoderOutput(NamedTuple):
     """hidden [B, T, D] float32 after the final norm; aux_loss: scalar load-balancing loss
     (transformers' `load_balancing_loss_func` over all MoE layers, unscaled: multiply by
     `config.router_aux_loss_coef`; 0 without MoE); cache: updated DecodeCache or None;
-    routed_experts [B, T, num_moe_layers, k] int32 or None; activations: dict or None."""
+    routed_experts [B, T, num_moe_layers, k] int32, the experts each MoE layer used, or None;
+    activations: dict or None; router_experts: the routers' own top-k in the same layout, which
+    differs from ``routed_experts`` only where routes were replayed (None without MoE)."""
 
     hidden: jax.Array
     aux_loss: jax.Array
     cache: DecodeCache | None
     routed_experts: jax.Array | None
     activations: dict[str, jax.Array] | None
+    router_experts: jax.Array | None = None
 
 
 class Block(nnx.Module):
@@ -205,8 +208,11 @@ class Decoder(nnx.Module):
                     else jnp.zeros((), F32))
         new_cache = None if cache is None else DecodeCache(
             tuple(layer_caches), kv_segment_ids, write_index + input_ids.shape[1])
-        return DecoderOutput(hidden, aux_loss, new_cache, jnp.stack(experts, axis=2) if experts else None,
-                             activations)
+        used = jnp.stack(experts, axis=2) if experts else None
+        own = used
+        if routed_experts is not None and experts:  # what each router would have chosen itself
+            own = jnp.stack([jax.lax.top_k(p, c.num_experts_per_tok)[1] for p in probs], axis=2).astype(jnp.int32)
+        return DecoderOutput(hidden, aux_loss, new_cache, used, activations, own)
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """Full logits [..., V] float32 from final hidden states (compute-dtype inputs, f32 accumulation).
@@ -220,10 +226,11 @@ class Decoder(nnx.Module):
         return self.head(self(input_ids, positions, segment_ids).hidden)
 
     def token_logprobs(self, input_ids, positions, segment_ids, targets, *, chunk_size: int = 1024,
-                       vocab_chunk_size: int | None = 32768):
+                       vocab_chunk_size: int | None = 32768, routed_experts: jax.Array | None = None):
         """log p(targets) and next-token entropy, each [B, T] float32, via the chunked LM head
-        (`jaxrl.models.lm_head.token_logprobs_and_entropy`), plus the DecoderOutput."""
-        out = self(input_ids, positions, segment_ids)
+        (`jaxrl.models.lm_head.token_logprobs_and_entropy`), plus the DecoderOutput;
+        ``routed_experts`` as in ``__call__`` (routing replay)."""
+        out = self(input_ids, positions, segment_ids, routed_experts=routed_experts)
         dtype = self.config.compute_dtype
         logp, entropy = token_logprobs_and_entropy(
             out.hidden.astype(dtype), self.lm_head_weight().astype(dtype), targets,

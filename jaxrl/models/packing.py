@@ -63,13 +63,15 @@ def _bucket(rows: int, limit: int, multiple: int) -> int:
 class PackedRows:
     """Packed model inputs [R, L] int32 and, for each sample column [N, T], the flat index of its
     cell in its micro-batch's packed rows (``R / M * L`` = out of range for the sample's padding,
-    which unpacks to 0)."""
+    which unpacks to 0); with routing replay the samples' routes [R, L, MoE layers, k] int32
+    packed the same way (-1 on padding), else None."""
 
     input_ids: Any
     positions: Any
     segment_ids: Any
     targets: Any
     gather: Any
+    routed_experts: Any = None
 
     def model_inputs(self) -> tuple[Any, Any, Any, Any]:
         return self.input_ids, self.positions, self.segment_ids, self.targets
@@ -84,9 +86,10 @@ class PackedRows:
 
 
 def pack_rows(input_ids: np.ndarray, positions: np.ndarray, segment_ids: np.ndarray, targets: np.ndarray, *,
-              groups: int = 1, devices: int = 1) -> PackedRows:
+              groups: int = 1, devices: int = 1, routed_experts: np.ndarray | None = None) -> PackedRows:
     """Packs one-sample rows (next-token aligned, real columns first: ``segment_ids`` 1 then 0) into
-    rows of the same length.
+    rows of the same length; ``routed_experts`` [N, T, MoE layers, k] (or None) travel with their
+    columns.
 
     Sample ``i`` shares rows only with samples of its group ``i % groups``; packed row ``j``
     belongs to group ``j % groups``. Every group gets the same number of rows (a power of two,
@@ -103,6 +106,10 @@ def pack_rows(input_ids: np.ndarray, positions: np.ndarray, segment_ids: np.ndar
     packed = {name: np.zeros((rows * groups, length), np.int32) for name in ("input_ids", "positions", "segment_ids",
                                                                             "targets")}
     gather = np.full((n, length), rows * length, np.int32)
+    routes = None
+    if routed_experts is not None:
+        routed_experts = np.asarray(routed_experts)
+        routes = np.full((rows * groups, length, *routed_experts.shape[2:]), -1, np.int32)
     for m, (idx, group_bins) in enumerate(zip(members, bins, strict=True)):
         for local_row, members_of_row in enumerate(group_bins):
             row, offset = local_row * groups + m, 0
@@ -113,6 +120,8 @@ def pack_rows(input_ids: np.ndarray, positions: np.ndarray, segment_ids: np.ndar
                 packed["targets"][row, cols] = targets[i, :width]
                 packed["positions"][row, cols] = positions[i, :width]
                 packed["segment_ids"][row, cols] = segment
+                if routes is not None:
+                    routes[row, cols] = routed_experts[i, :width]
                 gather[i, :width] = local_row * length + offset + np.arange(width)
                 offset += width
-    return PackedRows(**packed, gather=gather)
+    return PackedRows(**packed, gather=gather, routed_experts=routes)

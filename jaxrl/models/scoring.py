@@ -18,7 +18,7 @@ float32.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +32,36 @@ from jaxrl.models.sharding import batch_shardings
 DEFAULT_CHUNK_SIZE = 1024
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk_size", "replicate"))
-def _score(graphdef, params, input_ids, positions, segment_ids, targets, *, chunk_size: int, replicate: bool):
+class Scores(NamedTuple):
+    """What :meth:`LogprobScorer.score` returns: next-token logprobs and entropy [N, T] float32
+    (host arrays) and, when routes were given, ``route_disagreement`` [MoE layers] float32: per MoE
+    layer, the fraction of the routed positions whose router top-k (as a set) differs from the
+    given routes, whether or not they were replayed (None without routes or without positions)."""
+
+    logp: np.ndarray
+    entropy: np.ndarray
+    route_disagreement: np.ndarray | None = None
+
+
+def route_disagreement_counts(own: jax.Array, given: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per layer, how many real positions (``segment_ids > 0``) with recorded routes (every entry
+    of ``given`` >= 0) route to a different set of experts than ``given``; and how many positions
+    were compared. own, given: [B, T, L, k] int; returns ([L] float32, [] float32)."""
+    compared = (segment_ids > 0)[..., None] & jnp.all(given >= 0, axis=-1)  # [B, T, L]
+    differ = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(given.astype(own.dtype), axis=-1), axis=-1) & compared
+    return jnp.sum(differ, axis=(0, 1), dtype=jnp.float32), jnp.sum(compared[..., 0], dtype=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk_size", "replicate", "replay"))
+def _score(graphdef, params, input_ids, positions, segment_ids, targets, routes, *, chunk_size: int,
+           replicate: bool, replay: bool):
     model = nnx.merge(graphdef, params)
-    logp, entropy, _ = model.token_logprobs(input_ids, positions, segment_ids, targets, chunk_size=chunk_size)
+    logp, entropy, out = model.token_logprobs(input_ids, positions, segment_ids, targets, chunk_size=chunk_size,
+                                              routed_experts=routes if replay else None)
+    counts = None if routes is None else route_disagreement_counts(out.router_experts, routes, segment_ids)
     if replicate:  # every process reads the whole result, also when the rows are spread over processes
-        logp, entropy = (jax.lax.with_sharding_constraint(x, PartitionSpec()) for x in (logp, entropy))
-    return logp, entropy
+        logp, entropy, counts = jax.lax.with_sharding_constraint((logp, entropy, counts), PartitionSpec())
+    return logp, entropy, counts
 
 
 class LogprobScorer:
@@ -49,7 +72,8 @@ class LogprobScorer:
     model ``graphdef`` describes (the policy, the frozen reference), placed on ``mesh`` when
     given, and returns host arrays. With ``pack`` each chunk's sequences share rows
     (``jaxrl.models.packing``; ``devices``: the data-parallel devices the rows spread over)
-    and the results come back one sequence per row as without.
+    and the results come back one sequence per row as without. :meth:`score` also takes an MoE
+    engine's routes, to replay them (R3) and to measure how often the learner's routers disagree.
     """
 
     def __init__(self, graphdef: Any, mesh: jax.sharding.Mesh | None = None, rows: int | None = None,
@@ -58,26 +82,43 @@ class LogprobScorer:
         self.pack, self.devices = pack, devices
 
     def __call__(self, params, input_ids, positions, segment_ids, targets) -> tuple[np.ndarray, np.ndarray]:
+        return self.score(params, input_ids, positions, segment_ids, targets)[:2]
+
+    def score(self, params, input_ids, positions, segment_ids, targets, *, routed_experts=None,
+              replay: bool = False) -> Scores:
+        """As calling the scorer; ``routed_experts`` [N, T, MoE layers, k] int (-1 where none): the
+        engine's experts at each input position, replayed by the forward when ``replay``, and
+        compared with the learner routers' own choice either way (``Scores.route_disagreement``)."""
+        if replay and routed_experts is None:
+            raise ValueError("routing replay needs routed_experts")
         inputs = (input_ids, positions, segment_ids, targets)
         n = np.shape(input_ids)[0]
         rows = n if self.rows is None else min(self.rows, n)
-        logps, entropies = [], []
+        logps, entropies, differ, compared = [], [], 0.0, 0.0
         for start in range(0, n, max(rows, 1)):
             chunk = tuple(np.asarray(x[start:start + rows], np.int32) for x in inputs)
-            packed = pack_rows(*chunk, devices=self.devices) if self.pack else None
-            logp, entropy = self._score(params, packed.model_inputs() if self.pack else chunk)
+            routes = None if routed_experts is None else np.asarray(routed_experts[start:start + rows], np.int32)
+            packed = pack_rows(*chunk, devices=self.devices, routed_experts=routes) if self.pack else None
+            if packed is not None:
+                chunk, routes = packed.model_inputs(), packed.routed_experts
+            logp, entropy, counts = self._score(params, chunk, routes, replay)
             if packed is not None:
                 logp, entropy = (np.asarray(packed.unpack(jnp.asarray(x))) for x in (logp, entropy))
             logps.append(np.asarray(logp, np.float32))
             entropies.append(np.asarray(entropy, np.float32))
-        return np.concatenate(logps), np.concatenate(entropies)
+            if counts is not None:
+                differ, compared = differ + np.asarray(counts[0]), compared + float(counts[1])
+        disagreement = None if not compared else (differ / compared).astype(np.float32)
+        return Scores(np.concatenate(logps), np.concatenate(entropies), disagreement)
 
-    def _score(self, params, inputs: tuple[np.ndarray, ...]):
+    def _score(self, params, inputs: tuple[np.ndarray, ...], routes, replay: bool):
         if self.mesh is None:
-            return _score(self.graphdef, params, *inputs, chunk_size=self.chunk_size, replicate=False)
+            return _score(self.graphdef, params, *inputs, routes, chunk_size=self.chunk_size, replicate=False,
+                          replay=replay)
         with jax.set_mesh(self.mesh):
-            inputs = jax.device_put(inputs, batch_shardings(inputs, self.mesh))
-            return _score(self.graphdef, params, *inputs, chunk_size=self.chunk_size, replicate=True)
+            inputs, routes = jax.device_put((inputs, routes), batch_shardings((inputs, routes), self.mesh))
+            return _score(self.graphdef, params, *inputs, routes, chunk_size=self.chunk_size, replicate=True,
+                          replay=replay)
 
 
 def next_token_inputs(token_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -109,4 +150,5 @@ def sequence_logprobs(model: nnx.Module, token_ids: np.ndarray, lengths: np.ndar
     return token_aligned(np.where(inputs[2] > 0, logp, 0.0).astype(np.float32))
 
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "LogprobScorer", "next_token_inputs", "sequence_logprobs", "token_aligned"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "LogprobScorer", "Scores", "route_disagreement_counts", "next_token_inputs",
+           "sequence_logprobs", "token_aligned"]

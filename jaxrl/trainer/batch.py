@@ -26,7 +26,7 @@ from jaxrl.models.packing import PackedRows, pack_rows
 
 # The fields the loss reads; the rest (``generated``, ``prompt_lengths``) stay on the host.
 _UPDATE_FIELDS = ("input_ids", "positions", "segment_ids", "targets", "mask", "rollout_logp", "old_logp", "ref_logp",
-                  "advantages", "values", "returns")
+                  "advantages", "values", "returns", "routed_experts")
 
 
 _loss_normalizer = jax.jit(loss_normalizer, static_argnums=0)
@@ -51,7 +51,10 @@ class StepBatch:
     update (the value of the state before that column's target is generated:
     ``jaxrl.models.value``), the GAE targets, and the task's reward on each generated target
     (the score on the last one, or the reward function's per-token rewards) before any KL
-    penalty; 0 off the ``mask``.
+    penalty; 0 off the ``mask``;
+    routed_experts: int32 [N, T, MoE layers, k], for MoE engines that return their routes: the
+    experts the engine used at each input column (-1 on padding), replayed by the learner's
+    forwards with ``update.routing_replay`` (``None`` otherwise).
     """
 
     input_ids: Any
@@ -68,6 +71,7 @@ class StepBatch:
     values: Any = None
     returns: Any = None
     token_rewards: Any = None
+    routed_experts: Any = None
 
     @classmethod
     def pack(cls, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], length: int, pad_id: int,
@@ -104,12 +108,14 @@ class StepBatch:
     @classmethod
     def from_samples(cls, pairs: Sequence[tuple[Any, Any]], length: int, pad_id: int, valid: np.ndarray) -> "StepBatch":
         """The batch of a step's ``(example, sample)`` pairs (``example.prompt_ids``,
-        ``sample.output_ids`` and ``sample.output_logprobs``), prompt-major. A sample with
-        ``valid`` False (e.g. unparsable) keeps its tokens (the push check and the alignment dump
-        read them) but leaves the loss's ``mask``."""
+        ``sample.output_ids``, ``sample.output_logprobs`` and, when the engine returned them, the
+        routes ``sample.prompt_routed_experts`` + ``sample.routed_experts``), prompt-major. A
+        sample with ``valid`` False (e.g. unparsable) keeps its tokens (the push check and the
+        alignment dump read them) but leaves the loss's ``mask``."""
         batch = cls.pack([e.prompt_ids for e, _ in pairs], [s.output_ids for _, s in pairs], length, pad_id,
                          rollout_logp=[s.output_logprobs for _, s in pairs])
-        return batch.replace(mask=batch.mask * np.asarray(valid)[:, None])
+        routes = _pack_routes([s for _, s in pairs], batch.segment_ids) if pairs else None
+        return batch.replace(mask=batch.mask * np.asarray(valid)[:, None], routed_experts=routes)
 
     def replace(self, **changes) -> "StepBatch":
         return dataclasses.replace(self, **changes)
@@ -144,8 +150,10 @@ class StepBatch:
             rows = {name: None if value is None else value[s * size:(s + 1) * size] for name, value in fields.items()}
             tokens, packed = StepBatch(**rows), None
             if pack:
-                packed = pack_rows(*tokens.model_inputs(), groups=micro_batches, devices=devices)
-                tokens = tokens.replace(input_ids=None, positions=None, segment_ids=None, targets=None)
+                packed = pack_rows(*tokens.model_inputs(), groups=micro_batches, devices=devices,
+                                   routed_experts=tokens.routed_experts)
+                tokens = tokens.replace(input_ids=None, positions=None, segment_ids=None, targets=None,
+                                        routed_experts=None)
             normalizer = np.float32(_loss_normalizer(aggregation, tokens.mask))
             yield UpdateBatch(tokens=tokens, normalizer=normalizer, key_seed=np.int32(step * count + s), packed=packed)
 
@@ -183,8 +191,33 @@ class UpdateBatch:
 
     def token_logprobs(self, model, chunk_size: int):
         """The learner's ``(logp, entropy, DecoderOutput)`` of the mini-batch's targets, per sample
-        [N, T] float32 whether or not the forward ran on packed rows."""
+        [N, T] float32 whether or not the forward ran on packed rows; the routes it carries (routing
+        replay) are replayed."""
         if self.packed is None:
-            return model.token_logprobs(*self.tokens.model_inputs(), chunk_size=chunk_size)
-        logp, entropy, out = model.token_logprobs(*self.packed.model_inputs(), chunk_size=chunk_size)
+            return model.token_logprobs(*self.tokens.model_inputs(), chunk_size=chunk_size,
+                                        routed_experts=self.tokens.routed_experts)
+        logp, entropy, out = model.token_logprobs(*self.packed.model_inputs(), chunk_size=chunk_size,
+                                                  routed_experts=self.packed.routed_experts)
         return self.packed.unpack(logp), self.packed.unpack(entropy), out
+
+
+def _pack_routes(samples: Sequence[Any], segment_ids: np.ndarray) -> np.ndarray | None:
+    """The samples' routes at their input columns [N, T, MoE layers, k] int32 (-1 on padding): a
+    sample's ``prompt_routed_experts`` (positions 0 .. P-2) then ``routed_experts`` (P-1 ..
+    P+N-2) are exactly its real columns. None when the engine returned no routes."""
+    have = [s.routed_experts is not None and s.prompt_routed_experts is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"sample {have.index(False)} of the step has no routed experts while others have: "
+                         "every server of an MoE fleet must return them (return_routed_experts)")
+    per_row = [np.concatenate([s.prompt_routed_experts, s.routed_experts]) for s in samples]
+    n, length = np.shape(segment_ids)
+    routes = np.full((n, length, *per_row[0].shape[1:]), -1, np.int32)
+    for i, row in enumerate(per_row):
+        columns = int(np.asarray(segment_ids[i]).sum())
+        if len(row) != columns or row.shape[1:] != routes.shape[2:]:
+            raise ValueError(f"sample {i} has routes {row.shape} for {columns} input positions; an engine returns "
+                             f"[prompt + output - 1, MoE layers, k] = ({columns}, *{routes.shape[2:]})")
+        routes[i, :columns] = row
+    return routes

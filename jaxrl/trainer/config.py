@@ -71,6 +71,10 @@ class UpdateConfig:
     it); this many skips in a row stop the run with an error. spike_factor: warn when an
     update's gradient norm exceeds ``spike_factor`` x the median of the last 20, or when an
     update is larger than the parameters it changes (0 disables the warnings).
+    routing_replay: rollout routing replay (R3) for MoE models: the recompute, the reference
+    logprobs and every update route each token to the experts the engine chose for it
+    (``Sample.routed_experts``), with the combine weights from the learner's router
+    (docs/training.md#routing-replay).
     """
 
     mini_batches: int = 1
@@ -81,6 +85,7 @@ class UpdateConfig:
     pack: bool = False
     max_consecutive_skips: int = 3
     spike_factor: float = 10.0
+    routing_replay: bool = False
 
     def __post_init__(self):
         if self.mini_batches < 1 or self.micro_batches < 1:

@@ -190,7 +190,8 @@ class Critic:
     def update(self, mini: UpdateBatch) -> dict[str, float]:
         """One critic step on a policy mini-batch (host arrays): its rows, its micro-batch split,
         the token-mean normaliser of its own mask. Returns the step's metrics, unprefixed."""
-        tokens = mini.tokens.replace(rollout_logp=None, old_logp=None, ref_logp=None, advantages=None)
+        tokens = mini.tokens.replace(rollout_logp=None, old_logp=None, ref_logp=None, advantages=None,
+                                     routed_experts=None)
         normalizer = np.float32(loss_normalizer("token-mean", jnp.asarray(tokens.mask)))
         view = mini.replace(tokens=tokens, normalizer=normalizer, cov_selection=None)
         view = jax.device_put(view, batch_shardings(view, self.mesh))

@@ -92,6 +92,10 @@ class RLTrainer:
         )
         self.mesh = make_mesh(config.mesh)
         model = build_model(config.model, self.mesh)
+        self.moe_layers = model.config.moe_layer_indices
+        if config.update.routing_replay and not self.moe_layers:
+            raise ValueError("update.routing_replay replays an MoE engine's expert choices, but the model has no MoE "
+                             "layers; set update.routing_replay=false")
         self.length = sequence_row_length(data.max_prompt_tokens + config.rollout.max_new_tokens - 1, self.mesh)
         # Policy updates: none during the critic's warm-up steps (the LR schedule counts real updates).
         warmup = config.critic.warmup_steps if config.critic is not None else 0
@@ -200,7 +204,10 @@ class RLTrainer:
         # Bypass without a KL reference runs no learner forward here, so there is no stage to time.
         with clock("recompute", timed=not objective.bypass or self.reference is not None):
             batch, recompute_metrics = stages.recompute(batch, self.scorer, self.state["params"], self.reference,
-                                                        bypass=objective.bypass)
+                                                        bypass=objective.bypass, replay=config.update.routing_replay,
+                                                        moe_layers=self.moe_layers)
+        if not config.update.routing_replay:  # measured; the update routes by itself
+            batch = batch.replace(routed_experts=None)
         self._dump(step, batch)
         if self.critic is None:
             batch, advantage_metrics = stages.advantages(batch, scored.scores, valid, config.advantage, objective,
@@ -231,7 +238,11 @@ class RLTrainer:
         """The step's StepBatch and which samples enter the loss (all but the unparsable ones when
         ``reward.mask_unparsable``)."""
         valid = ~scored.unparsable if self.config.reward.mask_unparsable else np.ones(len(flat), bool)
-        return StepBatch.from_samples(flat, self.length, self.tokenizer.pad_token_id, valid), valid
+        batch = StepBatch.from_samples(flat, self.length, self.tokenizer.pad_token_id, valid)
+        if self.config.update.routing_replay and batch.routed_experts is None:
+            raise ValueError("update.routing_replay needs the engine's routed experts, and the engine returned none: "
+                             "start the SGLang servers with rollout.sglang.server.return_routed_experts=true")
+        return batch, valid
 
     def _dump(self, step: int, batch: StepBatch) -> None:
         """Every ``logging.dump_batch_every`` steps, the batch in the alignment checker's format

@@ -1,9 +1,9 @@
 """The host-side stages of one RL step, each a function that returns its result and its own metrics.
 
-A stage's metrics carry its prefix and no other stage writes them: ``rollout/``,
-``reward/``, ``recompute/``, ``advantage/``, ``filter/``, ``update/``, ``push/``, and with
-a critic (PPO with GAE) ``critic/`` for its scoring and its update (``jaxrl.trainer.critic``,
-whose GAE stage replaces :func:`advantages`). The
+A stage's metrics carry its prefix and no other stage writes them: ``rollout/``, ``reward/``,
+``recompute/`` (and ``routing/`` for an MoE engine's routes), ``advantage/``, ``filter/``,
+``update/``, ``push/``, and with a critic (PPO with GAE) ``critic/`` for its scoring and its
+update (``jaxrl.trainer.critic``, whose GAE stage replaces :func:`advantages`). The
 engine-vs-learner divergences ``mismatch/*`` (and ``mismatch_bucket/*``) are measured once per
 step, before the update: by the recompute, or with ``objective.bypass`` (no recompute) on
 the update's first mini-batch.
@@ -82,28 +82,46 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
     return fast, "update.recompute_old_logp=when_needed: old_logp is the embedded sampler's own (no recompute)"
 
 
-def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, bypass: bool
-              ) -> tuple[StepBatch, dict[str, float]]:
+def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, bypass: bool, replay: bool = False,
+              moe_layers: tuple[int, ...] = ()) -> tuple[StepBatch, dict[str, float]]:
     """``old_logp`` from the learner (or the engine's own under ``bypass``) and ``ref_logp``
-    from the frozen ``reference`` parameters (when not None).
+    from the frozen ``reference`` parameters (when not None); with ``replay`` both forwards use
+    the batch's routes (routing replay).
 
     Metrics: ``recompute/entropy``, the policy's token entropy on the whole batch before the
     update, and the mismatch between the recompute and the engine's logprobs, all from one
-    jitted program and one transfer to the host.
+    jitted program and one transfer to the host; when the batch has the engine's routes,
+    ``routing/disagreement`` and per MoE layer ``routing/disagreement_layer<i>`` (model layer i):
+    the fraction of positions whose learner top-k differs from the engine's, replayed or not.
     """
     metrics: dict[str, float] = {}
+    routes = batch.routed_experts
     if bypass:
         batch = batch.replace(old_logp=batch.rollout_logp)
     else:
-        old_logp, entropy = scorer(params, *batch.model_inputs())
-        batch = batch.replace(old_logp=old_logp)
-        statistics = jax.device_get(_recompute_statistics(old_logp, batch.rollout_logp, batch.mask, entropy))
+        scores = scorer.score(params, *batch.model_inputs(), routed_experts=routes, replay=replay)
+        batch = batch.replace(old_logp=scores.logp)
+        statistics = jax.device_get(_recompute_statistics(scores.logp, batch.rollout_logp, batch.mask, scores.entropy))
         metrics["recompute/entropy"] = float(statistics.pop("entropy"))
         metrics.update(mismatch_names(statistics.pop("mismatch")))
         metrics.update(_bucketed(statistics.pop("buckets")))
+        metrics.update(routing_names(scores.route_disagreement, moe_layers))
     if reference is not None:
-        batch = batch.replace(ref_logp=scorer(reference, *batch.model_inputs())[0])
+        reference_routes = routes if replay else None
+        batch = batch.replace(ref_logp=scorer.score(reference, *batch.model_inputs(), routed_experts=reference_routes,
+                                                    replay=replay).logp)
     return batch, metrics
+
+
+def routing_names(disagreement: np.ndarray | None, moe_layers: tuple[int, ...]) -> dict[str, float]:
+    """Per MoE layer route disagreement [L] -> ``routing/disagreement`` (the mean over layers) and
+    ``routing/disagreement_layer<i>`` named by model layer index (none without routes)."""
+    if disagreement is None:
+        return {}
+    metrics = {"routing/disagreement": float(np.mean(disagreement))}
+    metrics.update({f"routing/disagreement_layer{layer}": float(value)
+                    for layer, value in zip(moe_layers, disagreement, strict=True)})
+    return metrics
 
 
 @jax.jit

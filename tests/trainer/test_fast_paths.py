@@ -19,13 +19,13 @@ KL = {"kl_kind": "k3-as-loss", "kl_coef": 0.04}
 def _scorer_calls(monkeypatch) -> list[int]:
     """Counts the learner forwards of the recompute stage (old_logp and the reference's ref_logp)."""
     calls = []
-    original = LogprobScorer.__call__
+    original = LogprobScorer.score
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(LogprobScorer, "__call__", counted)
+    monkeypatch.setattr(LogprobScorer, "score", counted)
     return calls
 
 

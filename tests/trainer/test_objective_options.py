@@ -71,7 +71,7 @@ def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=N
     trainer = RLTrainer(config)
     run = Run(config, trainer.train_step.graphdef, _host(trainer.state["params"]), tokenizer=trainer.tokenizer)
     original_update, original_advantages = trainer._update, stages.advantages
-    original_scorer, original_rollout = trainer.scorer, trainer._rollout
+    original_score, original_rollout = trainer.scorer.score, trainer._rollout
 
     def update(batch, step, skip):
         run.batches.append(batch)
@@ -90,11 +90,11 @@ def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=N
             run.greedy.append(([e.prompt_ids for e in examples], [group[0].output_ids for group in samples]))
         return samples
 
-    def scorer(params, *inputs):
+    def score(params, *inputs, **options):
         run.recomputes += 1
-        return original_scorer(params, *inputs)
+        return original_score(params, *inputs, **options)
 
-    trainer._update, trainer.scorer, trainer._rollout = update, scorer, rollout
+    trainer._update, trainer.scorer.score, trainer._rollout = update, score, rollout
     monkeypatch.setattr(stages, "advantages", advantages)
     try:
         trainer.run()

@@ -1,0 +1,211 @@
+"""Rollout routing replay (``update.routing_replay``) through the trainer.
+
+The engine runs the learner's weights with its routers perturbed, so it routes some tokens to
+other experts than the learner would (the MoE training-inference mismatch R3 removes). Without
+replay the recompute's mismatch and route disagreement show it; with replay the learner's
+``old_logp`` are a plain decoder forward that uses the engine's routes, the mismatch falls by
+orders of magnitude (only the combine weights, which come from the learner's router, still
+differ), the router still learns, the routes travel through packing and mini/micro-batches
+unchanged, and expert-parallel sharding gives the one-device update. The same on a real CPU
+SGLang MoE fleet, whose returned routes the trainer replays.
+"""
+
+import zlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl.models import make_mesh
+from jaxrl.rollout.sampler import JaxSampler
+from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.trainer import stages
+from jaxrl.trainer.metrics import read_jsonl
+from jaxrl.trainer.model import build_model
+from jaxrl.trainer.rl import RLTrainer
+
+import test_loop
+from test_loop import ARCHITECTURE, make_config
+
+files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
+
+MOE = {**ARCHITECTURE, "num_layers": 2, "mlp_types": ("moe", "moe"), "num_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 16}
+# Relative to the router weights' std: flips the top-k of some tenths of a percent of the positions
+# while the combine weights barely move, so the mismatch is mostly routing (what R3 removes); larger
+# noise moves the combine weights too, which replay keeps from the learner's router by design.
+ROUTER_NOISE = 0.001
+# Enough positions (8 prompts x 4 samples x up to 17 tokens) that a few of them flip.
+ROLLOUT = {"verify_push": False, "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """A random MoE checkpoint with weights large enough (x10) that an expert swap moves logprobs."""
+    from jaxrl.models import ModelConfig
+    from jaxrl.rollout.sglang.testing import write_random_checkpoint
+
+    path = str(tmp_path_factory.mktemp("moe") / "hf")
+    write_random_checkpoint(path, ModelConfig(**MOE), seed=0, matrix_scale=10.0)
+    return path
+
+
+def perturb_routers(state, scale: float, seed: int = 0):
+    """``state`` with every router weight matrix plus Gaussian noise of ``scale`` x its own std."""
+    key = jax.random.key(seed)
+
+    def perturb(path, x):
+        if "router" not in jax.tree_util.keystr(path):
+            return x
+        name = jax.tree_util.keystr(path)
+        noise = jax.random.normal(jax.random.fold_in(key, zlib.crc32(name.encode())), x.shape)
+        return x + scale * np.std(np.asarray(x)) * noise.astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(perturb, state)
+
+
+class RouterNoiseEngine:
+    """A real engine whose every weight push carries the learner's weights with perturbed routers."""
+
+    def __init__(self, engine, scale: float = ROUTER_NOISE):
+        self.engine, self.scale = engine, scale
+
+    def update_weights(self, model, version: str):
+        graphdef, state = nnx.split(model)
+        return self.engine.update_weights(nnx.merge(graphdef, perturb_routers(state, self.scale)), version)
+
+    def __getattr__(self, name):  # generate, weight_version, holds_references, close: the engine's own
+        return getattr(self.engine, name)
+
+
+def moe_config(files, checkpoint, out, replay: bool, **sections):
+    sections = {**sections, "update": {"routing_replay": replay, **sections.get("update", {})}}
+    return make_config(files, out, model={"hf_path": checkpoint}, rollout=ROLLOUT, **sections)
+
+
+def embedded_engine(config, scale: float = ROUTER_NOISE):
+    """The embedded sampler the trainer would build, on perturbed routers."""
+    mesh = make_mesh(config.mesh)
+    engine = RouterNoiseEngine(JaxSampler(build_model(config.model, mesh), mesh=mesh, max_batch=128), scale)
+    engine.update_weights(build_model(config.model, mesh), version="0")
+    return engine
+
+
+def run(config, engine, steps_to_record=()):
+    """(rows of metrics, params before, params after, {step: the recompute's StepBatch})."""
+    recorded = {}
+    recompute = stages.recompute
+
+    def recording(batch, *args, **kwargs):
+        out = recompute(batch, *args, **kwargs)
+        recorded[len(recorded) + 1] = out[0]
+        return out
+
+    trainer = RLTrainer(config, engine=engine)
+    stages.recompute = recording
+    try:
+        graphdef = trainer.train_step.graphdef
+        before = jax.device_get(trainer.state["params"])
+        trainer.run()
+        after = jax.device_get(trainer.state["params"])
+    finally:
+        stages.recompute = recompute
+        trainer.close()
+    return read_jsonl(str(config.output_dir) + "/metrics.jsonl"), graphdef, before, after, recorded
+
+
+def forward_with_routes(graphdef, params, batch):
+    """old_logp by one plain decoder forward over the batch's rows with its routes and full
+    logits (no scorer, no chunked head, no packing)."""
+    model = nnx.merge(graphdef, params)
+    hidden = model(batch.input_ids, batch.positions, batch.segment_ids, routed_experts=batch.routed_experts).hidden
+    logp = jax.nn.log_softmax(model.head(hidden), axis=-1)
+    return np.take_along_axis(np.asarray(logp), np.asarray(batch.targets)[..., None], -1)[..., 0]
+
+
+def router_leaves(params):
+    return [np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(params)
+            if "router" in jax.tree_util.keystr(path)]
+
+
+def test_replay_removes_the_routing_mismatch_of_a_perturbed_engine(files, moe_checkpoint, tmp_path):
+    config = moe_config(files, moe_checkpoint, tmp_path / "off", replay=False, steps=1)
+    rows, _, _, _, batches_off = run(config, embedded_engine(config))
+    config = moe_config(files, moe_checkpoint, tmp_path / "on", replay=True, steps=1)
+    rows_on, graphdef, before, after, batches_on = run(config, embedded_engine(config))
+    off, on = rows[0], rows_on[0]
+    print(f"k3 without replay {off['mismatch/k3']:.3g}, with {on['mismatch/k3']:.3g}; "
+          f"route disagreement {off['routing/disagreement']:.3f}")
+    # Same engine, same seed: the first step's samples and their routes are the same in both runs.
+    np.testing.assert_array_equal(batches_off[1].routed_experts, batches_on[1].routed_experts)
+    # The first layer's routers see the same inputs with and without replay (later ones do not).
+    assert off["routing/disagreement"] > 0 and on["routing/disagreement_layer0"] == off["routing/disagreement_layer0"]
+    assert off["mismatch/k3"] > 1e-5
+    assert on["mismatch/k3"] * 100 <= off["mismatch/k3"]
+    # The replayed recompute is the decoder's forward with the engine's routes.
+    batch = batches_on[1]
+    want = forward_with_routes(graphdef, before, batch)
+    generated = np.asarray(batch.generated)
+    np.testing.assert_allclose(np.asarray(batch.old_logp)[generated], want[generated], atol=2e-5)
+    # The router learns: its weights moved (AdamW moves no weight whose gradient is zero).
+    for a, b in zip(router_leaves(before), router_leaves(after), strict=True):
+        assert np.abs(a - b).max() > 1e-4
+
+
+def test_routes_travel_through_packing_and_mini_and_micro_batches(files, moe_checkpoint, tmp_path):
+    """Packed rows, 2 mini-batches of 2 micro-batches each: the update of the plain rows. The
+    engine's routers are perturbed more here (a few percent of the routes differ), so routes
+    lost or misplaced on the way would change the update."""
+    updates = {"mini_batches": 2, "micro_batches": 2}
+    params = {}
+    for name, pack in (("plain", False), ("packed", True)):
+        config = moe_config(files, moe_checkpoint, tmp_path / name, replay=True, steps=2,
+                            update={**updates, "pack": pack})
+        params[name] = run(config, embedded_engine(config, scale=0.05))[3]
+    for a, b in zip(jax.tree.leaves(params["plain"]), jax.tree.leaves(params["packed"]), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_expert_parallel_replay_equals_one_device(files, moe_checkpoint, tmp_path):
+    params = {}
+    for name, mesh in (("one", {}), ("ep", {"data": 2, "expert": 4})):
+        config = moe_config(files, moe_checkpoint, tmp_path / name, replay=True, steps=2, mesh=mesh)
+        params[name] = run(config, embedded_engine(config, scale=0.05))[3]
+    for a, b in zip(jax.tree.leaves(params["one"]), jax.tree.leaves(params["ep"]), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_routing_replay_needs_an_moe_model(files, tmp_path):
+    with pytest.raises(ValueError, match="update.routing_replay"):
+        RLTrainer(make_config(files, tmp_path, update={"routing_replay": True}))
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not CPU_VENV_PYTHON.exists(), reason="run scripts/setup_sglang_cpu.sh first")
+def test_replay_of_a_real_sglang_moe_fleets_routes(files, tmp_path, sglang_moe):
+    """Two steps on the SGLang MoE fleet (perturbed routers pushed to it): the trainer replays the
+    routes the servers return; the mismatch falls as on the embedded sampler."""
+    engine = RouterNoiseEngine(sglang_moe.engine)
+    results = {}
+    try:
+        for replay in (False, True):
+            engine.update_weights(sglang_moe.model, version="0")
+            config = make_config(
+                files, tmp_path / str(replay), steps=2, model={"hf_path": sglang_moe.model_path},
+                rollout=ROLLOUT, update={"routing_replay": replay})
+            results[replay] = run(config, engine)
+    finally:
+        sglang_moe.engine.update_weights(sglang_moe.model, "moe-restored")
+    rows_off, rows_on = results[False][0], results[True][0]
+    graphdef, before, batches = results[True][1], results[True][2], results[True][4]
+    for off, on in zip(rows_off, rows_on, strict=True):
+        print(f"k3 without replay {off['mismatch/k3']:.3g}, with {on['mismatch/k3']:.3g}; "
+              f"route disagreement {off['routing/disagreement']:.3f} / {on['routing/disagreement']:.3f}")
+        assert off["routing/disagreement"] > 0 and on["routing/disagreement"] > 0
+        assert on["mismatch/k3"] * 100 <= off["mismatch/k3"]
+    batch = batches[1]
+    assert batch.routed_experts.shape[2:] == (2, 2)
+    want = forward_with_routes(graphdef, before, batch)
+    generated = np.asarray(batch.generated)
+    np.testing.assert_allclose(np.asarray(batch.old_logp)[generated], want[generated], atol=2e-5)
