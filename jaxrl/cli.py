@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib
 import sys
 
+from jaxrl import __version__
+from jaxrl.errors import MissingExtraError
+
 # Each command lives in its own module with a ``main(argv) -> int``; importing
 # lazily keeps ``jaxrl --help`` fast and free of JAX start-up.
 COMMANDS = {
@@ -21,13 +24,22 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: jaxrl COMMAND [args...]\n\ncommands:")
         for name, (_, _, doc) in COMMANDS.items():
             print(f"  {name:10s} {doc}")
+        print("\n  --version  print the version")
+        return 0
+    if argv[0] == "--version":
+        print(f"jaxrl {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"jaxrl: unknown command {name!r}; choose one of {sorted(COMMANDS)}", file=sys.stderr)
         return 2
     module_name, function_name, _ = COMMANDS[name]
-    command = getattr(importlib.import_module(module_name), function_name)
+    try:
+        command = getattr(importlib.import_module(module_name), function_name)
+    except MissingExtraError as error:
+        # Every command needs the [train] extra; the base install is the losses library only.
+        print(MissingExtraError(f"jaxrl {name}", error.name, error.extra), file=sys.stderr)
+        return 2
     return int(command(rest) or 0)
 
 

@@ -26,9 +26,17 @@ import types
 import typing
 from typing import Any, Mapping, Sequence, TypeVar
 
-import yaml
+from jaxrl.errors import needs_extra
 
 T = TypeVar("T")
+
+
+def _yaml():
+    # Imported when a file or an override is parsed, so that from_dict (the losses' typed configs
+    # included) works on the base install, which has no PyYAML.
+    with needs_extra("reading a config file or key=value override"):
+        import yaml
+    return yaml
 
 
 class ConfigError(ValueError):
@@ -181,6 +189,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
         raise ConfigError(f"config file {path!r} does not exist; pass the path of a .yaml or .json file")
     with open(path) as f:
         text = f.read()
+    yaml = _yaml()
     try:
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
@@ -197,6 +206,7 @@ def read_config_file(path: str | os.PathLike) -> dict:
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     """Returns a copy of ``data`` with ``a.b.c=value`` overrides applied (values parsed as YAML)."""
     data = json.loads(json.dumps(data))  # Deep copy of plain data.
+    yaml = _yaml()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")

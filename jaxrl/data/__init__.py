@@ -1,9 +1,12 @@
 """Data: JSONL/Parquet prompt datasets tokenised with a local tokenizer, served by Grain."""
 
-from jaxrl.data.pipeline import AllRowsBadError, BatchIterator, DataConfig, Example, LoadReport, load_examples
-from jaxrl.data.sources import Row, read_rows
-from jaxrl.data.tokenizer import encode_prompt, load_tokenizer, make_char_tokenizer
-from jaxrl.errors import InputError
+from jaxrl.errors import InputError, needs_extra
+
+# Without the [train] extra (grain, transformers) an import below names that extra instead of a bare missing module.
+with needs_extra("jaxrl.data"):
+    from jaxrl.data.pipeline import AllRowsBadError, BatchIterator, DataConfig, Example, LoadReport, load_examples
+    from jaxrl.data.sources import Row, read_rows
+    from jaxrl.data.tokenizer import encode_prompt, load_tokenizer, make_char_tokenizer
 
 __all__ = [
     "AllRowsBadError", "BatchIterator", "DataConfig", "Example", "InputError", "LoadReport", "Row", "encode_prompt",

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl.reward.base import RewardFn, RewardResult, RewardRouter, ScoredBatch
-from jaxrl.reward.format import FormatReward
-from jaxrl.reward.math import MathAnswerReward, answers_match, extract_answer, extract_boxed
-from jaxrl.reward.sandbox import SandboxedRewardRouter, WorkerStartError, check_seconds
-from jaxrl.reward.tasks import TaskRewardConfig, build_reward
+from jaxrl.errors import needs_extra
+
+# Without the [train] extra (sympy) an import below names that extra instead of a bare missing module.
+with needs_extra("jaxrl.reward"):
+    from jaxrl.reward.base import RewardFn, RewardResult, RewardRouter, ScoredBatch
+    from jaxrl.reward.format import FormatReward
+    from jaxrl.reward.math import MathAnswerReward, answers_match, extract_answer, extract_boxed
+    from jaxrl.reward.sandbox import SandboxedRewardRouter, WorkerStartError, check_seconds
+    from jaxrl.reward.tasks import TaskRewardConfig, build_reward
 
 
 @dataclasses.dataclass(frozen=True)

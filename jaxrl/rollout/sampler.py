@@ -57,12 +57,15 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxrl import distributed
+from jaxrl.errors import needs_extra
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.rollout import noise
 from jaxrl.rollout.base import LogprobKind, RolloutEngine, Sample, SamplingParams
+
+with needs_extra("jaxrl.rollout.sampler"):
+    from flax import nnx
 
 F32 = jnp.float32
 # Stop ids travel as a fixed-size array (-1 = unused) so their number never recompiles.

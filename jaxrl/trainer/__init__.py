@@ -4,3 +4,9 @@
 ``jaxrl sft CONFIG ...`` runs :class:`jaxrl.trainer.sft.SFTTrainer`. Modules import lazily
 (the loop needs the models, losses and rollout packages; checkpoints, metrics and plots don't).
 """
+
+from jaxrl.errors import require_modules
+
+# Checked here because the modules import lazily: without the [train] extra, ``import jaxrl.trainer.cli``
+# (which itself needs none of these) would start a run that fails on a bare ModuleNotFoundError later.
+require_modules("jaxrl.trainer", "flax", "optax", "orbax", "grain", "transformers", "yaml")

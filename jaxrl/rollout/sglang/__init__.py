@@ -7,19 +7,23 @@ starts: ``ServerManager``), ``external`` (fleets started elsewhere: ``ExternalSe
 ``client`` (HTTP), ``push`` (``WeightPusher``: export, load, verify, prune), ``engine``.
 """
 
-from jaxrl.rollout.base import PushVerificationError
-from jaxrl.rollout.sglang.client import (
-    ClientConfig,
-    SGLangClient,
-    SGLangRequestError,
-    SGLangResponseError,
-    decode_routed_experts,
-)
-from jaxrl.rollout.sglang.engine import SGLangEngine
-from jaxrl.rollout.sglang.external import ExternalFleetConfig, ExternalServers
-from jaxrl.rollout.sglang.fleet import Fleet
-from jaxrl.rollout.sglang.push import PushConfig
-from jaxrl.rollout.sglang.server import ServerConfig, ServerManager, ServerStartError
+from jaxrl.errors import needs_extra
+
+# Without the [train] extra (requests) an import below names that extra instead of a bare missing module.
+with needs_extra("jaxrl.rollout.sglang"):
+    from jaxrl.rollout.base import PushVerificationError
+    from jaxrl.rollout.sglang.client import (
+        ClientConfig,
+        SGLangClient,
+        SGLangRequestError,
+        SGLangResponseError,
+        decode_routed_experts,
+    )
+    from jaxrl.rollout.sglang.engine import SGLangEngine
+    from jaxrl.rollout.sglang.external import ExternalFleetConfig, ExternalServers
+    from jaxrl.rollout.sglang.fleet import Fleet
+    from jaxrl.rollout.sglang.push import PushConfig
+    from jaxrl.rollout.sglang.server import ServerConfig, ServerManager, ServerStartError
 
 __all__ = [
     "ClientConfig", "Fleet", "PushConfig", "PushVerificationError", "SGLangClient", "SGLangEngine",
