@@ -67,7 +67,9 @@ class DecoderOutput(NamedTuple):
     `config.router_aux_loss_coef`; 0 without MoE); cache: updated DecodeCache or None;
     routed_experts [B, T, num_moe_layers, k] int32, the experts each MoE layer used, or None;
     activations: dict or None; router_experts: the routers' own top-k in the same layout, which
-    differs from ``routed_experts`` only where routes were replayed (None without MoE)."""
+    differs from ``routed_experts`` only where routes were replayed (None without MoE);
+    router_z_loss: scalar, ST-MoE's router z-loss, the mean over MoE layers and real positions
+    of ``logsumexp(router logits)^2`` (unscaled; 0 without MoE)."""
 
     hidden: jax.Array
     aux_loss: jax.Array
@@ -75,6 +77,7 @@ class DecoderOutput(NamedTuple):
     routed_experts: jax.Array | None
     activations: dict[str, jax.Array] | None
     router_experts: jax.Array | None = None
+    router_z_loss: jax.Array | float = 0.0
 
 
 class Block(nnx.Module):
@@ -93,7 +96,7 @@ class Block(nnx.Module):
 
     def __call__(self, h, positions, segment_ids, cache=None, kv_segment_ids=None, write_index=None, routes=None):
         """h: [B, T, D] float32; routes: [B, T, k] experts to replay in a MoE block (or None).
-        Returns (h, cache, (attn_out, mlp_out), (router probs, experts) or None)."""
+        Returns (h, cache, (attn_out, mlp_out), (router probs, experts, router z terms) or None)."""
         attn_in = self.input_norm(h)
         attn_out, cache = self.attn(attn_in.astype(self.dtype), positions=positions,
                                     segment_ids=segment_ids, cache=cache, kv_segment_ids=kv_segment_ids,
@@ -105,7 +108,7 @@ class Block(nnx.Module):
         routing = None
         if self.is_moe:
             mlp_out, probs, experts = self.mlp(mlp_in, routes)
-            routing = (probs, experts)
+            routing = (probs, experts, self.mlp.router_z(mlp_in))
         else:
             mlp_out = self.mlp(mlp_in)
         h = constrain((mlp_norm if self.residual_from_norm else h) + mlp_out, ("batch", "length", "act_embed"))
@@ -187,7 +190,7 @@ class Decoder(nnx.Module):
             kv_segment_ids = write_rows(cache.segment_ids, segment_ids, write_index)
         remat = c.remat != "none" and cache is None
         block_call = (nnx.remat(Block.__call__, policy=REMAT_POLICIES[c.remat]) if remat else Block.__call__)
-        layer_caches, probs, experts = [], [], []
+        layer_caches, probs, experts, z_terms = [], [], [], []
         for i, block in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layers[i]
             replayed = routed_experts is not None and i in moe_layers
@@ -198,6 +201,7 @@ class Decoder(nnx.Module):
             if routing is not None:
                 probs.append(routing[0])
                 experts.append(routing[1])
+                z_terms.append(routing[2])
             if capture:
                 activations.update({f"layers.{i}.attn": attn_out, f"layers.{i}.mlp": mlp_out,
                                     f"layers.{i}.out": h})
@@ -208,11 +212,14 @@ class Decoder(nnx.Module):
                     else jnp.zeros((), F32))
         new_cache = None if cache is None else DecodeCache(
             tuple(layer_caches), kv_segment_ids, write_index + input_ids.shape[1])
+        real = (segment_ids != 0).astype(F32)
+        z_loss = (sum(jnp.sum(z * real) for z in z_terms) / (len(z_terms) * jnp.maximum(jnp.sum(real), 1.0))
+                  if z_terms else jnp.zeros((), F32))
         used = jnp.stack(experts, axis=2) if experts else None
         own = used
         if routed_experts is not None and experts:  # what each router would have chosen itself
             own = jnp.stack([jax.lax.top_k(p, c.num_experts_per_tok)[1] for p in probs], axis=2).astype(jnp.int32)
-        return DecoderOutput(hidden, aux_loss, new_cache, used, activations, own)
+        return DecoderOutput(hidden, aux_loss, new_cache, used, activations, own, z_loss)
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """Full logits [..., V] float32 from final hidden states (compute-dtype inputs, f32 accumulation).

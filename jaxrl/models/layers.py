@@ -284,13 +284,24 @@ class MoE(nnx.Module):
         self.shared_expert_gate = (make_param(rngs, (d, 1), ("embed", None), pd)
                                    if self.shared_expert is not None and c.shared_expert_gate else None)
 
+    def router_logits(self, x_flat: jax.Array, router: jax.Array | None = None) -> jax.Array:
+        """x_flat [N, D] -> the router's logits [N, E] float32."""
+        router = self.router[...] if router is None else router
+        return jnp.dot(x_flat.astype(F32), router.astype(F32), preferred_element_type=F32)
+
+    def router_z(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> [B, T] float32: the squared log-partition of the router logits,
+        ``(log sum_e exp(z_e))^2``, the per-token term of ST-MoE's router z-loss (Zoph et al.,
+        2022, eq. 5), which keeps the logits small so the router's softmax stays stable."""
+        batch, length, dim = x.shape
+        logits = self.router_logits(x.reshape(batch * length, dim).astype(self.config.compute_dtype))
+        return (jax.nn.logsumexp(logits, axis=-1) ** 2).reshape(batch, length)
+
     def route(self, x_flat: jax.Array, router: jax.Array | None = None, replay: jax.Array | None = None
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x_flat [N, D], replay [N, k] int or None -> (router probs [N, E] f32, combine weights
         [N, k] f32, experts [N, k] int32): the top-k, or the replayed experts where given."""
-        router = self.router[...] if router is None else router
-        logits = jnp.dot(x_flat.astype(F32), router.astype(F32), preferred_element_type=F32)
-        probs = jax.nn.softmax(logits, axis=-1)
+        probs = jax.nn.softmax(self.router_logits(x_flat, router), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.config.num_experts_per_tok)
         if replay is not None:
             given = jnp.all(replay >= 0, axis=-1, keepdims=True)

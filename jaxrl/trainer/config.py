@@ -74,7 +74,8 @@ class UpdateConfig:
     routing_replay: rollout routing replay (R3) for MoE models: the recompute, the reference
     logprobs and every update route each token to the experts the engine chose for it
     (``Sample.routed_experts``), with the combine weights from the learner's router
-    (docs/training.md#routing-replay).
+    (docs/training.md#routing-replay). router_z_loss: the coefficient of ST-MoE's router z-loss
+    in the update's loss (MoE models; 0 = off; ST-MoE uses 1e-3).
     """
 
     mini_batches: int = 1
@@ -86,6 +87,7 @@ class UpdateConfig:
     max_consecutive_skips: int = 3
     spike_factor: float = 10.0
     routing_replay: bool = False
+    router_z_loss: float = 0.0
 
     def __post_init__(self):
         if self.mini_batches < 1 or self.micro_batches < 1:
@@ -95,6 +97,8 @@ class UpdateConfig:
             )
         if self.logprob_chunk_size < 1:
             raise ValueError(f"update.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        if not self.router_z_loss >= 0.0:
+            raise ValueError(f"update.router_z_loss must be >= 0 (0 = off), got {self.router_z_loss}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"update.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
         if self.spike_factor != 0.0 and self.spike_factor <= 1.0:

@@ -93,9 +93,11 @@ class RLTrainer:
         self.mesh = make_mesh(config.mesh)
         model = build_model(config.model, self.mesh)
         self.moe_layers = model.config.moe_layer_indices
-        if config.update.routing_replay and not self.moe_layers:
-            raise ValueError("update.routing_replay replays an MoE engine's expert choices, but the model has no MoE "
-                             "layers; set update.routing_replay=false")
+        for key, value in (("routing_replay", config.update.routing_replay),
+                           ("router_z_loss", config.update.router_z_loss)):
+            if value and not self.moe_layers:
+                raise ValueError(f"update.{key} is for MoE models (routers, experts), and this model has no MoE "
+                                 f"layers; leave update.{key} unset")
         self.length = sequence_row_length(data.max_prompt_tokens + config.rollout.max_new_tokens - 1, self.mesh)
         # Policy updates: none during the critic's warm-up steps (the LR schedule counts real updates).
         warmup = config.critic.warmup_steps if config.critic is not None else 0
@@ -104,7 +106,7 @@ class RLTrainer:
         self.objective, why = stages.objective_for_run(config, builds_engine=engine is None)
         log.info("old_logp: %s", why)
         loss_fn = rl_loss_fn(self.objective, seed=config.seed, micro_batches=config.update.micro_batches,
-                             chunk_size=config.update.logprob_chunk_size)
+                             chunk_size=config.update.logprob_chunk_size, router_z_loss=config.update.router_z_loss)
         self.train_step, self.state = make_train_step(model, optimizer, loss_fn, self.mesh)
         # PPO with GAE: a separate value model from the policy's initial weights, its own optimizer.
         self.critic = Critic(config, model, self.mesh) if config.critic is not None else None

@@ -236,9 +236,12 @@ def abstract_train_state(step: TrainStep, params) -> dict:
             "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=step.shardings["step"])}
 
 
-def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chunk_size: int) -> Callable:
+def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chunk_size: int,
+               router_z_loss: float = 0.0) -> Callable:
     """``loss_fn(model, batch: UpdateBatch) -> (loss, metrics)`` of one RL optimizer step:
-    ``rl_objective`` summed over ``micro_batches`` micro-batches (:func:`accumulate`).
+    ``rl_objective`` summed over ``micro_batches`` micro-batches (:func:`accumulate`); for MoE
+    models plus the load-balancing loss (``router_aux_loss_coef``) and ``router_z_loss`` x the
+    router z-loss.
 
     The objective is normalised by the whole mini-batch's ``normalizer``; Clip-Cov draws with
     ``fold_in(key(seed), key_seed)``. Clip-Cov and KL-Cov choose tokens from statistics over
@@ -264,8 +267,8 @@ def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chu
             # No recompute pass: on the first mini-batch the learner's logp *is* the recompute.
             metrics.update(mismatch_metrics(jax.lax.stop_gradient(logp), tokens.rollout_logp, tokens.mask))
         if model.config.moe_layer_indices:
-            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
-            metrics = dict(metrics, moe_aux_loss=out.aux_loss)
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss + router_z_loss * out.router_z_loss
+            metrics = dict(metrics, moe_aux_loss=out.aux_loss, moe_z_loss=out.router_z_loss)
         return loss, metrics
 
     if objective.is_batch_normalize and micro_batches > 1:

@@ -1,4 +1,5 @@
-"""Rollout routing replay (``update.routing_replay``) through the trainer.
+"""Rollout routing replay (``update.routing_replay``) and the router z-loss
+(``update.router_z_loss``) through the trainer.
 
 The engine runs the learner's weights with its routers perturbed, so it routes some tokens to
 other experts than the learner would (the MoE training-inference mismatch R3 removes). Without
@@ -176,9 +177,26 @@ def test_expert_parallel_replay_equals_one_device(files, moe_checkpoint, tmp_pat
         np.testing.assert_allclose(a, b, atol=2e-5)
 
 
-def test_routing_replay_needs_an_moe_model(files, tmp_path):
-    with pytest.raises(ValueError, match="update.routing_replay"):
-        RLTrainer(make_config(files, tmp_path, update={"routing_replay": True}))
+@pytest.mark.parametrize("option", [{"routing_replay": True}, {"router_z_loss": 1e-3}])
+def test_moe_update_options_need_an_moe_model(files, tmp_path, option):
+    with pytest.raises(ValueError, match=f"update.{next(iter(option))} is for MoE models"):
+        RLTrainer(make_config(files, tmp_path, update=option))
+
+
+def test_router_z_loss_adds_its_term_to_the_update_loss(files, moe_checkpoint, tmp_path):
+    """update.router_z_loss=c: the first update's loss is the c=0 loss plus c x the batch's router
+    z-loss (same weights, same batch), and the routers move differently."""
+    rows, routers = {}, {}
+    for coef in (0.0, 0.5):
+        config = make_config(files, tmp_path / str(coef), steps=1, model={"hf_path": moe_checkpoint},
+                             update={"router_z_loss": coef})
+        rows[coef], _, _, after, _ = run(config, engine=None)
+        routers[coef] = router_leaves(after)
+    plain, regularised = rows[0.0][0], rows[0.5][0]
+    z = plain["update/moe_z_loss"]
+    assert z > 0 and regularised["update/moe_z_loss"] == z
+    np.testing.assert_allclose(regularised["update/loss"] - plain["update/loss"], 0.5 * z, rtol=1e-4)
+    assert max(np.abs(a - b).max() for a, b in zip(routers[0.0], routers[0.5], strict=True)) > 1e-4
 
 
 @pytest.mark.sglang
