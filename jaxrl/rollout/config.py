@@ -41,6 +41,9 @@ class RolloutConfig:
     max_staleness: how many updates the weights of a batch may lag the learner's; 0 is the
     synchronous loop, >= 1 generates the next batches in the background while the learner
     updates (docs/training.md#asynchronous-rollouts).
+    dynamic_sampling: drop prompt groups whose rewards do not vary and draw more prompts until
+    the batch is full, at most ``max_extra_draws`` extra draws per step (DAPO;
+    docs/training.md#dynamic-sampling).
     """
 
     engine: Literal["embedded", "sglang"] = "embedded"
@@ -54,6 +57,8 @@ class RolloutConfig:
     verify_push: bool = True
     push_tolerance: float = 1e-3
     max_staleness: int = 0
+    dynamic_sampling: bool = False
+    max_extra_draws: int = 4
     sglang: SGLangConfig | None = None
 
     def __post_init__(self):
@@ -68,6 +73,12 @@ class RolloutConfig:
         check_sampling_ranges("rollout", self)
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0 (0 = synchronous), got {self.max_staleness}")
+        if self.max_extra_draws < 0:
+            raise ValueError(f"rollout.max_extra_draws must be >= 0, got {self.max_extra_draws}")
+        if self.dynamic_sampling and self.max_staleness > 0:
+            raise ValueError("rollout.dynamic_sampling draws its extra prompts with the learner's current weights, "
+                             f"which rollout.max_staleness={self.max_staleness} does not give the engine; use one "
+                             "of the two")
         if not self.push_tolerance > 0.0:
             raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
 

@@ -55,7 +55,9 @@ class PolicyConfig:
 class UpdateConfig:
     """The update of docs/training.md#the-rl-update-loop.
 
-    mini_batches: S optimizer steps per rollout batch (1 = on-policy). micro_batches: gradient
+    mini_batches: S optimizer steps per rollout batch (1 = on-policy). epochs: E passes of those S
+    steps over the same batch (trajectory reuse, PPO's epochs: E x S updates per batch, later
+    ones further off-policy; the clip and the mismatch corrections see the lag). micro_batches: gradient
     accumulation inside each optimizer step (same update as one big batch). Whether ``old_logp``
     is recomputed or bypassed is ``objective.bypass``; recompute_old_logp: "always", or
     "when_needed": skip the learner's recompute where it is redundant (the embedded sampler on
@@ -79,6 +81,7 @@ class UpdateConfig:
     """
 
     mini_batches: int = 1
+    epochs: int = 1
     micro_batches: int = 1
     recompute_old_logp: Literal["always", "when_needed"] = "always"
     reference_metrics: bool = False
@@ -90,10 +93,10 @@ class UpdateConfig:
     router_z_loss: float = 0.0
 
     def __post_init__(self):
-        if self.mini_batches < 1 or self.micro_batches < 1:
+        if self.mini_batches < 1 or self.micro_batches < 1 or self.epochs < 1:
             raise ValueError(
-                f"update.mini_batches ({self.mini_batches}) and update.micro_batches "
-                f"({self.micro_batches}) must be >= 1"
+                f"update.mini_batches ({self.mini_batches}), update.micro_batches ({self.micro_batches}) and "
+                f"update.epochs ({self.epochs}) must be >= 1"
             )
         if self.logprob_chunk_size < 1:
             raise ValueError(f"update.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")

@@ -53,6 +53,7 @@ from jaxrl.trainer.checkpoint import CheckpointMismatchError
 from jaxrl.trainer.model import build_model
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.critic import Critic
+from jaxrl.trainer.dynamic_sampling import Drawn, fill_with_signal
 from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, end_step, open_run
 from jaxrl.trainer.metrics import MetricsLogger, StageClock, read_jsonl
@@ -101,7 +102,7 @@ class RLTrainer:
         self.length = sequence_row_length(data.max_prompt_tokens + config.rollout.max_new_tokens - 1, self.mesh)
         # Policy updates: none during the critic's warm-up steps (the LR schedule counts real updates).
         warmup = config.critic.warmup_steps if config.critic is not None else 0
-        self.total_updates = max(config.steps - warmup, 0) * config.update.mini_batches
+        self.total_updates = max(config.steps - warmup, 0) * config.update.mini_batches * config.update.epochs
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_updates)
         self.objective, why = stages.objective_for_run(config, builds_engine=engine is None)
         log.info("old_logp: %s", why)
@@ -181,27 +182,44 @@ class RLTrainer:
             [e.row for e, _ in flat], on_error=self.errors.append,
         ), flat
 
-    def _generate(self, examples, index: int):
+    def _generate(self, examples, index: int, draw: int = 0):
         """Batch ``index``'s samples (and ReMax's greedy baseline responses) with the engine's
-        weights; run by the rollout queue, in its worker thread when it has one."""
+        weights; run by the rollout queue, in its worker thread when it has one. ``draw`` > 0:
+        dynamic sampling's extra draw of the step, with its own seed."""
         config = self.config
-        samples = self._rollout(examples, seed=_seed(config.seed, index), n=config.rollout.group_size)
+        seed = _seed(config.seed, index, draw)
+        samples = self._rollout(examples, seed=seed, n=config.rollout.group_size)
         greedy = None
         if config.advantage.needs_greedy_baseline:
-            greedy = self._rollout(examples, seed=_seed(config.seed, index), n=1, temperature=0.0)
+            greedy = self._rollout(examples, seed=seed, n=1, temperature=0.0)
         return samples, greedy
+
+    def _draw(self, examples, index: int, draw: int = 0, greedy=None, samples=None) -> Drawn:
+        """Prompts ``examples`` generated (unless ``samples`` are given) and scored."""
+        if samples is None:
+            samples, greedy = self._generate(examples, index, draw)
+        scored, _ = self._score(examples, samples)
+        greedy_scores = None if greedy is None else self._score(examples, greedy)[0].scores
+        return Drawn(examples, samples, scored, greedy_scores)
+
+    def _valid(self, scored) -> np.ndarray:
+        """Which samples enter the loss: all but the unparsable ones when ``reward.mask_unparsable``."""
+        return ~scored.unparsable if self.config.reward.mask_unparsable else np.ones(len(scored.scores), bool)
 
     def train_step_once(self) -> dict[str, Any]:
         config, r, objective = self.config, self.config.rollout, self.objective
         step, clock = self.step + 1, StageClock()
-        greedy_scores = None
         with clock("rollout"):
             rollout: RolloutBatch = self.rollouts.take(step)
-        examples, samples = rollout.examples, rollout.samples
         with clock("reward"):
-            scored, flat = self._score(examples, samples)
-            if rollout.greedy is not None:
-                greedy_scores = self._score(examples, rollout.greedy)[0].scores
+            drawn = self._draw(rollout.examples, step, greedy=rollout.greedy, samples=rollout.samples)
+        dynamic_metrics = {}
+        if r.dynamic_sampling:  # more prompts, same weights, until every group has reward variance
+            with clock("dynamic_sampling"):
+                drawn, dynamic_metrics = fill_with_signal(
+                    drawn, lambda j: self._draw(next(self.iterator), step, j), prompts=r.prompts_per_step,
+                    group_size=r.group_size, max_extra_draws=r.max_extra_draws, valid=self._valid)
+        samples, scored, flat, greedy_scores = drawn.samples, drawn.scored, drawn.flat, drawn.greedy_scores
         batch, valid = self._pack(flat, scored)
         # Bypass without a KL reference runs no learner forward here, so there is no stage to time.
         with clock("recompute", timed=not objective.bypass or self.reference is not None):
@@ -230,7 +248,7 @@ class RLTrainer:
         self.rollouts.fill(step, final=step == config.steps)
         self.step = step
         return {
-            **stages.rollout_metrics([s for _, s in flat]), **staleness_metrics(rollout, step - 1),
+            **stages.rollout_metrics([s for _, s in flat]), **staleness_metrics(rollout, step - 1), **dynamic_metrics,
             **stages.reward_metrics(scored), **recompute_metrics, **advantage_metrics, **filter_metrics,
             **update_metrics, **push_metrics, "data/bad_rows": self.data_report.bad_rows,
             **clock.metrics(tokens=batch.num_tokens), "time/generation": rollout.generate_seconds,
@@ -239,7 +257,7 @@ class RLTrainer:
     def _pack(self, flat, scored) -> tuple[StepBatch, np.ndarray]:
         """The step's StepBatch and which samples enter the loss (all but the unparsable ones when
         ``reward.mask_unparsable``)."""
-        valid = ~scored.unparsable if self.config.reward.mask_unparsable else np.ones(len(flat), bool)
+        valid = self._valid(scored)
         batch = StepBatch.from_samples(flat, self.length, self.tokenizer.pad_token_id, valid)
         if self.config.update.routing_replay and batch.routed_experts is None:
             raise ValueError("update.routing_replay needs the engine's routed experts, and the engine returned none: "
@@ -262,8 +280,10 @@ class RLTrainer:
         u = self.config.update
         collected, padding, critic_collected = [], [], []
         frozen = self.critic is not None and self.critic.policy_frozen(step)  # the critic's warm-up
-        minis = batch.mini_batches(u.mini_batches, self.objective.aggregation, step, pack=u.pack,
-                                   micro_batches=u.micro_batches, devices=batch_devices(self.mesh))
+        # E passes of the S mini-batches (update.epochs); each update draws from its own key seed.
+        minis = (mini for epoch in range(u.epochs) for mini in batch.mini_batches(
+            u.mini_batches, self.objective.aggregation, step * u.epochs + epoch, pack=u.pack,
+            micro_batches=u.micro_batches, devices=batch_devices(self.mesh)))
         for mini in minis if not skip else ():
             if mini.packed is not None:
                 padding.append(mini.packed.padding_fraction)
@@ -288,7 +308,7 @@ class RLTrainer:
         critic = {} if self.critic is None else self.critic.update_metrics(critic_collected, step, frozen)
         warmup = 0 if self.critic is None else self.critic.warmup_steps
         return {**stages.update_names(averaged), **self.guard.metrics(), **critic,
-                "update/lr": float(self.schedule(max((step - warmup) * u.mini_batches - 1, 0))),
+                "update/lr": float(self.schedule(max((step - warmup) * u.mini_batches * u.epochs - 1, 0))),
                 "update/skipped_total": self.skipped_updates}
 
     def _verify_previous_push(self, version: str, batch: StepBatch, update_metrics: dict) -> None:
@@ -308,7 +328,7 @@ class RLTrainer:
                    int(update_metrics.get("mismatch/num_tokens", 0)))
         else:
             gap = stages.push_gap(batch)
-        self.check_push(version, *gap)
+        stages.check_push(version, *gap, tolerance=self.config.rollout.push_tolerance)
 
     def _push(self, step: int) -> dict[str, float]:
         push_metrics = self.engine.update_weights(self._engine_weights(), version=str(step)) or {}
@@ -316,23 +336,6 @@ class RLTrainer:
             raise PushVerificationError(
                 f"pushed weight version {step} but the engine reports {self.engine.weight_version!r}")
         return push_metrics
-
-    def check_push(self, version: str, largest: float, tokens: int) -> None:
-        """Verifies a weight push: the engine's logprobs of the batch sampled with weights ``version``
-        agree with the learner's recompute: ``largest`` (max |dlogp| over ``tokens`` generated
-        tokens) within ``rollout.push_tolerance``. A check of zero tokens or a NaN fails: it
-        proves nothing. Raises PushVerificationError."""
-        tolerance = self.config.rollout.push_tolerance
-        if tokens == 0:
-            raise PushVerificationError(
-                f"the push check of weight version {version} compared zero generated tokens, so it proves nothing; "
-                f"the engine returned no tokens (or, with objective.bypass, the first mini-batch has none in the "
-                f"loss); set rollout.verify_push=false to run without the check")
-        if not largest <= tolerance:
-            raise PushVerificationError(
-                f"the engine sampled with weight version {version} but its logprobs differ from the learner's "
-                f"by up to {largest:.3g} nats > rollout.push_tolerance={tolerance}; the engine is not running "
-                f"the learner's weights (or raise push_tolerance for low-precision engines)")
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:
@@ -441,6 +444,7 @@ def _copy(tree):
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(lambda x: x.sharding, tree))(tree)
 
 
-def _seed(seed: int, step: int) -> int:
-    """A distinct, reproducible 31-bit sampling seed per (run seed, step)."""
-    return int(np.random.SeedSequence([seed, step + 1]).generate_state(1)[0] & 0x7FFFFFFF)
+def _seed(seed: int, step: int, draw: int = 0) -> int:
+    """A distinct, reproducible 31-bit sampling seed per (run seed, step[, extra draw])."""
+    entropy = [seed, step + 1] + ([draw] if draw else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] & 0x7FFFFFFF)

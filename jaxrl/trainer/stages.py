@@ -22,7 +22,7 @@ from jaxrl.losses import (ObjectiveConfig, batch_filter, kl_in_reward, mismatch_
                           mismatch_metrics_by_rollout_prob)
 from jaxrl.losses.advantages import AdvantageConfig, sequence_advantages
 from jaxrl.models.scoring import LogprobScorer
-from jaxrl.rollout.base import LogprobKind
+from jaxrl.rollout.base import LogprobKind, PushVerificationError
 from jaxrl.trainer.batch import StepBatch
 from jaxrl.trainer.config import TrainConfig
 
@@ -145,6 +145,23 @@ def push_gap(batch: StepBatch) -> tuple[float, int]:
     the spot check of the previous weight push needs no reward."""
     gap = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[np.asarray(batch.generated)]
     return (float(gap.max()) if gap.size else float("nan")), int(gap.size)
+
+
+def check_push(version: str, largest: float, tokens: int, *, tolerance: float) -> None:
+    """Verifies a weight push: the engine's logprobs of the batch sampled with weights ``version``
+    agree with the learner's recompute: ``largest`` (max |dlogp| over ``tokens`` generated
+    tokens) within ``rollout.push_tolerance``. A check of zero tokens or a NaN fails: it
+    proves nothing. Raises PushVerificationError."""
+    if tokens == 0:
+        raise PushVerificationError(
+            f"the push check of weight version {version} compared zero generated tokens, so it proves nothing; "
+            f"the engine returned no tokens (or, with objective.bypass, the first mini-batch has none in the "
+            f"loss); set rollout.verify_push=false to run without the check")
+    if not largest <= tolerance:
+        raise PushVerificationError(
+            f"the engine sampled with weight version {version} but its logprobs differ from the learner's "
+            f"by up to {largest:.3g} nats > rollout.push_tolerance={tolerance}; the engine is not running "
+            f"the learner's weights (or raise push_tolerance for low-precision engines)")
 
 
 def advantages(batch: StepBatch, scores: np.ndarray, valid: np.ndarray, config: AdvantageConfig,

@@ -55,6 +55,10 @@ def test_non_finite_numbers_are_refused_at_load(run_config, tmp_path, override, 
     ("advantage", {"std_min": 0.0}, r"advantage.std_min \(0.0\) must be > 0"),
     ("advantage", {"std_min": 2.0, "std_max": 1.0}, r"advantage.std_min \(2.0\) must be > 0 and <= advantage.std_max"),
     ("update", {"max_consecutive_skips": 0}, r"update.max_consecutive_skips must be >= 1"),
+    ("update", {"epochs": 0}, r"update.epochs \(0\) must be >= 1"),
+    ("update", {"router_z_loss": -1.0}, r"update.router_z_loss must be >= 0"),
+    ("rollout", {"max_extra_draws": -1}, r"rollout.max_extra_draws must be >= 0"),
+    ("rollout", {"dynamic_sampling": True, "max_staleness": 1}, r"rollout.dynamic_sampling .* rollout.max_staleness=1"),
 ])
 def test_configs_that_cannot_learn_are_refused_at_load(run_config, tmp_path, section, values, message):
     """Before: GRPO with group_size=1 trained on all-zero advantages without a word, and a bad

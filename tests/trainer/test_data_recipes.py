@@ -1,0 +1,107 @@
+"""The seeds' batch recipes through the trainer: dynamic sampling (DAPO: only prompt groups whose
+rewards vary, more prompts drawn to fill the batch) and trajectory reuse (``update.epochs``)."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl.trainer.rl import RLTrainer
+
+import test_loop
+from test_loop import _params, make_config
+
+files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
+
+PARITY_REWARD = {"default_task": "t", "task_field": "none",
+                 "tasks": {"t": {"kind": "python", "function": f"{__name__}:parity_reward"}}}
+
+
+def parity_reward(prompt, response, response_ids, row):
+    """Even answers: 0.5 whatever the response (a group with no signal); odd: the fraction of
+    digits in the response (varies between samples, mostly)."""
+    from jaxrl.reward import RewardResult
+
+    if int(row["answer"]) % 2 == 0:
+        return RewardResult(score=0.5)
+    return RewardResult(score=sum(c.isdigit() for c in response) / max(len(response), 1))
+
+
+def run_recording(config):
+    """Runs the trainer; returns every draw's (prompts, scores [P, G]) in draw order per step and
+    each step's trained (prompts, scores) and metrics."""
+    trainer = RLTrainer(config)
+    draws, trained = [], []
+    draw, pack = trainer._draw, trainer._pack
+
+    def recording_draw(examples, index, *args, **kwargs):
+        drawn = draw(examples, index, *args, **kwargs)
+        draws.append((index, [e.prompt for e in examples], drawn.scored.scores.reshape(len(examples), -1)))
+        return drawn
+
+    def recording_pack(flat, scored):
+        prompts = [e.prompt for e, _ in flat][::config.rollout.group_size]
+        trained.append((prompts, scored.scores.reshape(len(prompts), -1)))
+        return pack(flat, scored)
+
+    trainer._draw, trainer._pack = recording_draw, recording_pack
+    try:
+        rows = [trainer.train_step_once() for _ in range(config.steps)]
+    finally:
+        trainer.close()
+    return draws, trained, rows
+
+
+@pytest.mark.parametrize("max_extra_draws", [4, 0])
+def test_dynamic_sampling_keeps_only_groups_with_reward_variance_and_fills_the_batch(files, tmp_path,
+                                                                                      max_extra_draws):
+    config = make_config(files, tmp_path, steps=2, reward=PARITY_REWARD,
+                         rollout={"dynamic_sampling": True, "max_extra_draws": max_extra_draws})
+    draws, trained, rows = run_recording(config)
+    prompts_per_step, group_size = config.rollout.prompts_per_step, config.rollout.group_size
+    for step, ((prompts, scores), metrics) in enumerate(zip(trained, rows, strict=True), start=1):
+        groups = [(p, s) for index, ps, ss in draws if index == step for p, s in zip(ps, ss, strict=True)]
+        signal = [(p, s) for p, s in groups if np.ptp(s) > 0]
+        zero = [(p, s) for p, s in groups if np.ptp(s) == 0]
+        short = max(prompts_per_step - len(signal), 0)
+        # The batch: the first groups with signal in draw order, then (when the cap stopped the
+        # draws first) the earliest zero-variance ones; always full.
+        want = signal[:prompts_per_step] + zero[:short]
+        assert prompts == [p for p, _ in want] and scores.shape == (prompts_per_step, group_size)
+        np.testing.assert_array_equal(scores, np.stack([s for _, s in want]))
+        assert len(groups) == prompts_per_step * (1 + metrics["rollout/dynamic_sampling_draws"])
+        assert metrics["rollout/dynamic_sampling_draws"] <= max_extra_draws
+        assert metrics["rollout/dynamic_sampling_short"] == short
+        assert metrics["rollout/dynamic_sampling_dropped"] == metrics["rollout/dynamic_sampling_dropped/t"] \
+            == len(zero) - short
+    # The demo data has even and odd answers: the recipe had work to do.
+    assert sum(r["rollout/dynamic_sampling_dropped"] + r["rollout/dynamic_sampling_short"] for r in rows) > 0
+    if max_extra_draws:
+        assert all(np.ptp(scores, axis=1).min() > 0 for _, scores in trained)
+
+
+def test_epochs_run_the_mini_batches_again_over_the_same_batch(files, tmp_path):
+    """update.epochs=2 == the one-pass update run twice on each step's batch (a hand-rolled second
+    pass), and differs from one pass."""
+    def config(name, epochs):
+        return make_config(files, tmp_path / name, steps=2, update={"mini_batches": 2, "epochs": epochs})
+
+    params = {}
+    for name, epochs in (("one", 1), ("two", 2)):
+        trainer = RLTrainer(config(name, epochs))
+        try:
+            trainer.run()
+            params[name] = _params(trainer)
+        finally:
+            trainer.close()
+    trainer = RLTrainer(config("hand", 1))
+    one_pass = trainer._update
+    trainer._update = lambda batch, step, skip: (one_pass(batch, step, skip), one_pass(batch, step, skip))[1]
+    try:
+        trainer.run()
+        params["hand"] = _params(trainer)
+    finally:
+        trainer.close()
+    for a, b in zip(params["two"], params["hand"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert max(np.abs(a - b).max() for a, b in zip(params["one"], params["two"], strict=True)) > 1e-4
+    assert int(jax.device_get(trainer.state["step"])) == 2 * 2 * 2
