@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec
 from jaxrl.models import context_parallel
 from jaxrl.models.attention import attention
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.sharding import constrain, logical_to_spec
+from jaxrl.models import megablox
+from jaxrl.models.sharding import constrain, logical_to_spec, target_platform
 
 F32 = jnp.float32
 INIT_STD = 0.02  # transformers' initializer_range for Qwen3
@@ -208,25 +209,30 @@ class MLP(nnx.Module):
 
 def ragged_dot_is_sparse() -> bool:
     """Whether this backend runs `jax.lax.ragged_dot` as a grouped matmul. XLA:CPU rewrites it
-    into a dense dot over all groups (E times the FLOPs: measured in bench/moe_flops.py)."""
-    return jax.default_backend() != "cpu"
+    into a dense dot over all groups (E times the FLOPs: measured in bench/moe_step.py). The
+    platform is the program's target (the mesh's devices), not necessarily this process's."""
+    return target_platform() != "cpu"
 
 
 class GroupedMatmul:
     """`out[r] = lhs[r] @ rhs[expert of row r]` for rows sorted by expert (`group_sizes` [E] rows each);
     rows past `sum(group_sizes)` give zeros.
 
-    With `jax.lax.ragged_dot` where the backend runs it sparsely; elsewhere a blocked grouped
-    matmul of the same FLOPs order: each expert's rows are padded to a multiple of a block of
-    `block` rows, every block holds one expert's rows, and the blocks run as one batched matmul
-    against their expert's weight, `2 (rows + E (block - 1)) D N` FLOPs instead of `2 rows E D N`.
-    Both are deterministic (fixed row order, one dot per row).
+    `impl` (default: by the target platform): "gmm", the megablox Pallas kernel on TPU
+    (`jaxrl.models.megablox`; under a multi-device mesh only inside `jax.shard_map`);
+    "ragged_dot", `jax.lax.ragged_dot` where the backend runs it sparsely (GPU); "blocked"
+    elsewhere (CPU), a grouped matmul of the same FLOPs order: each expert's rows are padded to a
+    multiple of a block of `block` rows, every block holds one expert's rows, and the blocks run
+    as one batched matmul against their expert's weight, `2 (rows + E (block - 1)) D N` FLOPs
+    instead of `2 rows E D N`. All are deterministic (fixed row order, one dot per row).
     """
 
-    def __init__(self, group_sizes: jax.Array, rows: int, dtype, *, use_ragged_dot: bool | None = None):
+    def __init__(self, group_sizes: jax.Array, rows: int, dtype, *, impl: str | None = None):
         self.group_sizes, self.dtype = group_sizes, dtype
-        self.use_ragged_dot = ragged_dot_is_sparse() if use_ragged_dot is None else use_ragged_dot
-        if self.use_ragged_dot:
+        if impl is None:
+            impl = "gmm" if target_platform() == "tpu" else "ragged_dot" if ragged_dot_is_sparse() else "blocked"
+        self.impl = impl
+        if impl != "blocked":
             return
         experts = group_sizes.shape[0]
         # a block small enough that padding stays under ~1/4 of the rows, at most 128
@@ -247,7 +253,9 @@ class GroupedMatmul:
     def __call__(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         """lhs [rows, K] sorted by expert, rhs [E, K, N] -> [rows, N] float32."""
         lhs, rhs = lhs.astype(self.dtype), rhs.astype(self.dtype)
-        if self.use_ragged_dot:
+        if self.impl == "gmm":
+            return megablox.grouped_matmul(lhs, rhs, self.group_sizes)
+        if self.impl == "ragged_dot":
             return jax.lax.ragged_dot(lhs, rhs, self.group_sizes, preferred_element_type=F32)
         padded = jnp.zeros((self.padded_rows, lhs.shape[1]), lhs.dtype).at[self.destination].set(
             lhs, unique_indices=True, mode="drop")
@@ -321,11 +329,12 @@ class MoE(nnx.Module):
         if not mesh.empty and mesh.shape.get("expert", 1) > 1 and "expert" in (batch_axes or ()):
             y, probs, experts = self._expert_parallel(x, mesh, routes)
             y, probs, experts = y.reshape(batch * length, dim), probs.reshape(batch * length, -1), experts
+        elif target_platform() == "tpu" and not mesh.empty and not mesh.are_all_axes_manual:
+            y, probs, experts = self._tokens_local(x, mesh, routes)
+            y, probs, experts = y.reshape(batch * length, dim), probs.reshape(batch * length, -1), experts
         else:
-            x_flat = x.reshape(batch * length, dim).astype(dtype)
-            replay = None if routes is None else routes.reshape(batch * length, -1)
-            probs, weights, experts = self.route(x_flat, replay=replay)
-            y = self._experts(x_flat, weights, experts, self.gate_proj[...], self.up_proj[...], self.down_proj[...], 0)
+            y, probs, experts = self._routed(x, routes, self.router[...], self.gate_proj[...], self.up_proj[...],
+                                             self.down_proj[...])
         if self.shared_expert is not None:
             shared = self.shared_expert(x.astype(dtype))  # [B, T, D]: its activation hints name batch and length
             if self.shared_expert_gate is not None:
@@ -333,6 +342,31 @@ class MoE(nnx.Module):
             y = y + shared.reshape(batch * length, dim)
         y = constrain(y.reshape(batch, length, dim), ("batch", "length", "act_embed"))
         return y, probs.reshape(batch, length, -1), experts.reshape(batch, length, -1)
+
+    def _routed(self, x, routes, router, gate_w, up_w, down_w):
+        """Route x [B, T, D] (routes to replay [B, T, k] or None) through all experts: (y [B*T, D] f32,
+        probs [B*T, E] f32, experts [B*T, k] int32)."""
+        x_flat = x.reshape(-1, x.shape[-1]).astype(self.config.compute_dtype)
+        replay = None if routes is None else routes.reshape(x_flat.shape[0], -1)
+        probs, weights, experts = self.route(x_flat, router, replay)
+        return self._experts(x_flat, weights, experts, gate_w, up_w, down_w, 0), probs, experts
+
+    def _tokens_local(self, x, mesh, routes):
+        """The plain (no expert parallelism) path inside `jax.shard_map`, which the TPU's Mosaic `gmm`
+        kernel needs: every device routes its own tokens (split as "batch" and "length" split them)
+        through all experts, whose weights are gathered whole on each device, layer by layer (FSDP
+        style; tensor-parallel "expert_mlp" shards are gathered too). Returns [B, T, ...] outputs."""
+        spec = logical_to_spec(("batch", "length", "act_embed"), x.shape, mesh)
+        spec = PartitionSpec(spec[0], spec[1], None)  # tokens, probs, routes: rows split, last dim whole
+
+        def local(x_local, routes_local, *weights):
+            b, t, d = x_local.shape
+            y, probs, experts = self._routed(x_local, routes_local, *weights)
+            return y.reshape(b, t, d), probs.reshape(b, t, -1), experts.reshape(b, t, -1)
+
+        return jax.shard_map(local, in_specs=(spec, None if routes is None else spec) + (PartitionSpec(),) * 4,
+                             out_specs=(spec, spec, spec), check_vma=False)(
+            x, routes, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...])
 
     def _experts(self, x_flat, weights, experts, gate_w, up_w, down_w, first_expert) -> jax.Array:
         """Contribution of experts `first_expert ...` (as many as `gate_w` holds) to each token.
@@ -391,5 +425,6 @@ class MoE(nnx.Module):
 
         return jax.shard_map(local, in_specs=(x_spec, None if routes is None else row_spec, PartitionSpec(),
                                               expert_spec, expert_spec, expert_spec),
-                             out_specs=(x_spec, row_spec, row_spec))(
+                             # a Pallas kernel's output carries no varying-axes type for the check
+                             out_specs=(x_spec, row_spec, row_spec), check_vma=target_platform() != "tpu")(
             x, routes, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...])

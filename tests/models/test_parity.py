@@ -1,5 +1,7 @@
 """Logits, logprobs, entropy and MoE aux loss against transformers' PyTorch Qwen3 / Qwen3-MoE."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import torch
 from flax import nnx
 
 from jaxrl.models import Decoder, MeshConfig, ModelConfig, create_sharded_model, load_hf_checkpoint, make_mesh
+from jaxrl.models import megablox
 from jaxrl.models.layers import GroupedMatmul
 from models_reference import padded_batch, qwen3_config, qwen3_moe_config, random_model, reference_logits
 
@@ -107,10 +110,9 @@ def test_topk_ties_pick_lower_expert_index(moe_block):
     np.testing.assert_allclose(np.asarray(weights), 1 / 3, rtol=1e-6)
 
 
-@pytest.mark.parametrize("use_ragged_dot", [True, False])
-def test_grouped_matmul_matches_per_row_reference(use_ragged_dot):
-    """Uneven and empty groups: each row multiplies its own expert's weight, on both paths;
-    4 rows past the groups' total (other devices' assignments under expert parallelism) give 0."""
+def _grouped_case():
+    """Uneven and empty groups plus 4 rows past the groups' total (other devices' assignments under
+    expert parallelism): (group sizes, lhs, rhs, float64 per-row reference with zeros for those rows)."""
     rng = np.random.default_rng(0)
     sizes = np.array([5, 0, 17, 1, 0, 9], np.int32)
     rows = int(sizes.sum()) + 4
@@ -118,9 +120,30 @@ def test_grouped_matmul_matches_per_row_reference(use_ragged_dot):
     rhs = rng.standard_normal((6, 12, 7)).astype(np.float32)
     expert_of_row = np.repeat(np.arange(6), sizes)
     expected = np.einsum("rk,rkn->rn", lhs[:-4].astype(np.float64), rhs[expert_of_row].astype(np.float64))
-    expected = np.concatenate([expected, np.zeros((4, 7))])
-    grouped = GroupedMatmul(jnp.asarray(sizes), rows, jnp.float32, use_ragged_dot=use_ragged_dot)
+    return sizes, lhs, rhs, np.concatenate([expected, np.zeros((4, 7))])
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "blocked"])
+def test_grouped_matmul_matches_per_row_reference(impl):
+    """Each row multiplies its own expert's weight, on both CPU-runnable paths; rows past the groups give 0."""
+    sizes, lhs, rhs, expected = _grouped_case()
+    grouped = GroupedMatmul(jnp.asarray(sizes), lhs.shape[0], jnp.float32, impl=impl)
     np.testing.assert_allclose(np.asarray(jax.jit(grouped.__call__)(lhs, rhs)), expected, atol=1e-5, rtol=0)
+
+
+def test_megablox_gmm_matches_reference_and_blocked_gradients():
+    """The TPU kernel (Pallas interpreter on CPU): the per-row reference forward, zeros past the groups
+    although the kernel leaves those rows unwritten, and the blocked path's input and weight gradients."""
+    sizes, lhs, rhs, expected = _grouped_case()
+    gmm = functools.partial(megablox.grouped_matmul, group_sizes=jnp.asarray(sizes), interpret=True)
+    np.testing.assert_allclose(np.asarray(jax.jit(gmm)(lhs, rhs)), expected, atol=1e-5, rtol=0)
+    blocked = GroupedMatmul(jnp.asarray(sizes), lhs.shape[0], jnp.float32, impl="blocked")
+    cotangent = np.random.default_rng(1).standard_normal(expected.shape).astype(np.float32)
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, b) * cotangent), argnums=(0, 1)))(lhs, rhs)
+    for got, want in zip(grads(gmm), grads(blocked.__call__), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
 def test_moe_compiled_flops_scale_with_k_over_e(moe_block):
