@@ -71,6 +71,19 @@ def test_a_replayed_layer_is_the_routed_sum_of_the_given_experts(norm_topk_prob)
     np.testing.assert_array_equal(np.asarray(experts)[0, :3], np.asarray(own)[0, :3])
 
 
+def test_routing_is_dropless_when_every_token_goes_to_the_same_experts():
+    """The most unbalanced routing there is (every token's k assignments on experts 0..k-1, here
+    by replay): no capacity, nothing dropped; the output is the float64 sum over those experts."""
+    layer = MoE(CONFIG, rngs=nnx.Rngs(4))
+    x = np.random.default_rng(5).normal(size=(BATCH, LENGTH, CONFIG.hidden_size)).astype(np.float32)
+    routes = np.broadcast_to(np.arange(CONFIG.num_experts_per_tok, dtype=np.int32),
+                             (BATCH, LENGTH, CONFIG.num_experts_per_tok)).copy()
+    y, _, experts = layer(jnp.asarray(x), jnp.asarray(routes))
+    np.testing.assert_array_equal(np.asarray(experts), routes)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, CONFIG.hidden_size), numpy_moe(layer, x, routes),
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_replaying_the_models_own_routes_changes_nothing_and_other_routes_do():
     model = Decoder(CONFIG, rngs=nnx.Rngs(0))
     ids, positions = inputs()
