@@ -31,7 +31,9 @@ class DataConfig:
     train_files/eval_files: .jsonl or .parquet files. prompt_field / response_field:
     row fields holding the prompt and (SFT only) the target response. tokenizer: a
     local folder. max_prompt_tokens: longer prompts are bad rows (skipped, counted).
-    max_response_tokens: SFT responses longer than this are bad rows.
+    max_response_tokens: SFT responses longer than this are bad rows. mixture: weights by the
+    row field ``mixture_field`` (e.g. task -> weight): every batch draws from each group in that
+    proportion (Grain's mixing), however many rows each has; empty = rows in one shuffled stream.
     """
 
     tokenizer: str = ""
@@ -45,6 +47,8 @@ class DataConfig:
     max_response_tokens: int = 512
     shuffle: bool = True
     seed: int = 0
+    mixture: dict[str, float] = dataclasses.field(default_factory=dict)
+    mixture_field: str = "task"
 
     def __post_init__(self):
         if self.max_prompt_tokens < 1 or self.max_response_tokens < 1:
@@ -52,6 +56,18 @@ class DataConfig:
                 f"max_prompt_tokens ({self.max_prompt_tokens}) and max_response_tokens "
                 f"({self.max_response_tokens}) must be >= 1"
             )
+        check_mixture("data.mixture", self.mixture)
+
+
+def check_mixture(key: str, mixture) -> None:
+    """ValueError naming ``key`` unless ``mixture`` maps names to weights >= 0 (0 leaves a group
+    out, e.g. for one curriculum stage), at least one of them positive."""
+    mixture = dict(mixture or {})
+    for name, weight in mixture.items():
+        if not (isinstance(weight, (int, float)) and weight >= 0):
+            raise ValueError(f"{key}.{name} must be a weight >= 0, got {weight!r}")
+    if mixture and not any(mixture.values()):
+        raise ValueError(f"{key} gives every group weight 0; give at least one a positive weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +284,10 @@ class BatchIterator:
     """Endless batches of Examples: sharded by process, seeded shuffle per epoch, resumable.
 
     batch_size: examples per batch on this process. ``state()`` returns a plain dict;
-    ``restore(state)`` continues exactly from there.
+    ``restore(state)`` continues exactly from there. ``mixture`` (name -> weight, over the
+    examples' row field ``mixture_field``): each group is shuffled and repeated on its own and
+    Grain interleaves them in the weights' proportion, so every batch holds each group's share
+    (up to rounding), a small group repeating more often than a large one.
     """
 
     def __init__(
@@ -280,6 +299,8 @@ class BatchIterator:
         shuffle: bool = True,
         process_index: int = 0,
         process_count: int = 1,
+        mixture: dict[str, float] | None = None,
+        mixture_field: str = "task",
     ):
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
@@ -289,9 +310,11 @@ class BatchIterator:
                 f"batch_size={batch_size} exceeds the {len(shard)} examples of process {process_index} "
                 f"({len(examples)} valid rows over {process_count} processes); lower the batch size or add data"
             )
-        if shuffle:
-            shard = shard.shuffle(seed=seed)
-        dataset = shard.repeat(None).batch(batch_size, drop_remainder=True, batch_fn=np.asarray)
+        if mixture:
+            stream = _mixed(examples, list(shard), mixture, mixture_field, seed if shuffle else None)
+        else:
+            stream = (shard.shuffle(seed=seed) if shuffle else shard).repeat(None)
+        dataset = stream.batch(batch_size, drop_remainder=True, batch_fn=np.asarray)
         self.examples = list(examples)
         self._iterator = iter(dataset.to_iter_dataset())
 
@@ -306,3 +329,31 @@ class BatchIterator:
 
     def restore(self, state: dict) -> None:
         self._iterator.set_state(dict(state))
+
+
+def _mixed(examples: Sequence[Example], indices: list[int], mixture: dict[str, float], field: str,
+           seed: int | None) -> grain.MapDataset:
+    """The endless stream of example indices that interleaves the groups of ``mixture`` in
+    proportion to their weights, each group shuffled (``seed`` not None) and repeated alone."""
+    groups: dict[str, list[int]] = {name: [] for name in mixture}
+    for i in indices:
+        name = examples[i].row.get(field)
+        if name is None:
+            raise InputError(f"{examples[i].where}: data.mixture mixes by the row field {field!r}, which this row "
+                             "lacks; add it or set data.mixture_field")
+        if str(name) not in groups:
+            raise InputError(f"{examples[i].where}: its {field} {name!r} has no weight in data.mixture "
+                             f"{sorted(mixture)}; give it one or remove its rows")
+        groups[str(name)].append(i)
+    empty = [name for name, members in groups.items() if not members and mixture[name] > 0]
+    if empty:
+        raise InputError(f"data.mixture names {empty} but no valid row has that {field}; remove the names or "
+                         "add rows")
+    streams, weights = [], []
+    for k, (name, members) in enumerate(groups.items()):
+        if mixture[name] == 0:  # named, so not a typo, and left out
+            continue
+        stream = grain.MapDataset.source(members)
+        streams.append((stream.shuffle(seed=seed + k) if seed is not None else stream).repeat(None))
+        weights.append(float(mixture[name]))
+    return grain.MapDataset.mix(streams, weights)

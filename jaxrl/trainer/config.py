@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jaxrl.data.pipeline import DataConfig
+from jaxrl.data.pipeline import DataConfig, check_mixture
 from jaxrl.losses.advantages import AdvantageConfig
 from jaxrl.losses.objective import ObjectiveConfig
 from jaxrl.models.config import ModelConfig
@@ -203,10 +203,15 @@ class LoggingConfig:
 @dataclasses.dataclass(frozen=True)
 class SFTStage:
     """One stage of the SFT length curriculum: ``steps`` steps on sequences of at most
-    ``max_length`` tokens (Motif: 16K -> 32K -> 64K); longer rows wait for a later stage."""
+    ``max_length`` tokens (Motif: 16K -> 32K -> 64K); longer rows wait for a later stage.
+    ``mixture``: this stage's weights by ``data.mixture_field`` (None: ``data.mixture``)."""
 
     steps: int
     max_length: int
+    mixture: dict[str, float] | None = None
+
+    def __post_init__(self):
+        check_mixture("sft.stages[].mixture", self.mixture)
 
 
 @dataclasses.dataclass(frozen=True)

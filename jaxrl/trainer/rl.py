@@ -88,9 +88,8 @@ class RLTrainer:
         # Every process reads the same global batch and runs the same host-side loop (sampling
         # requests, rewards, advantages); the device work is sharded over the global mesh. So the
         # batch is the same for any number of processes (jaxrl.distributed).
-        self.iterator = BatchIterator(
-            self.examples, config.rollout.prompts_per_step, seed=data.seed, shuffle=data.shuffle,
-        )
+        self.iterator = BatchIterator(self.examples, config.rollout.prompts_per_step, seed=data.seed,
+                                      shuffle=data.shuffle, mixture=data.mixture, mixture_field=data.mixture_field)
         self.mesh = make_mesh(config.mesh)
         model = build_model(config.model, self.mesh)
         self.moe_layers = model.config.moe_layer_indices

@@ -105,8 +105,10 @@ class SFTTrainer:
                 f"prompt+response has {int(self.lengths.min())} tokens")
         # As in RL, every process reads the same global batch; the device work is sharded over the
         # global mesh (jaxrl.distributed), so the batch does not depend on the number of processes.
-        self.iterator = BatchIterator(
-            chosen, self.config.sft.batch_size, seed=self.config.data.seed + index, shuffle=self.config.data.shuffle)
+        data = self.config.data
+        self.iterator = BatchIterator(  # a stage may mix its data otherwise than data.mixture (Motif's stages)
+            chosen, self.config.sft.batch_size, seed=data.seed + index, shuffle=data.shuffle,
+            mixture=data.mixture if stage.mixture is None else stage.mixture, mixture_field=data.mixture_field)
         self._stage_index = index
 
     def train_step_once(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ def reward_metrics(scored) -> dict[str, float]:
         values = scored.scores[tasks == task]
         metrics[f"reward/{task}/mean"] = float(values.mean())
         metrics[f"reward/{task}/std"] = float(values.std())
+        metrics[f"reward/{task}/share"] = float(len(values) / len(tasks))  # of the batch (data.mixture)
     return metrics
 
 

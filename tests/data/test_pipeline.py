@@ -11,6 +11,7 @@ import pytest
 from jaxrl.data import (
     AllRowsBadError, BatchIterator, DataConfig, encode_prompt, load_examples, load_tokenizer, make_char_tokenizer,
 )
+from jaxrl.errors import InputError
 
 ALPHABET = "0123456789+-*= abcdefghijklmnopqrstuvwxyz:\n<>/"
 
@@ -155,3 +156,40 @@ def test_chat_template_is_applied_when_present(tmp_path):
     assert tok.decode(encode_prompt(tok, "1+1=", use_chat_template=False)) == "1+1="
     assert (tok.decode(encode_prompt(tok, "1+1=", system_prompt="be brief"))
             == "<system>be brief\n<user>1+1=\n<assistant>")
+
+
+def _mixed_examples(tokenizer, tmp_path, counts):
+    rows = [{"prompt": f"{task}{i}=", "task": task} for task, n in counts.items() for i in range(n)]
+    return load_examples([_jsonl(tmp_path / "mix.jsonl", rows)], DataConfig(), tokenizer)[0]
+
+
+def test_mixture_batches_carry_the_configured_shares_and_resume(tokenizer, tmp_path):
+    """Weights 0.5 / 0.3 / 0.2 over groups of 12, 4 and 30 rows (so shares are not the rows'):
+    over 40 batches of 10 each group's share lies within 3 standard errors of its weight, the
+    small group repeats, and a restored iterator continues exactly."""
+    examples = _mixed_examples(tokenizer, tmp_path, {"a": 12, "b": 4, "c": 30})
+    weights = {"a": 0.5, "b": 0.3, "c": 0.2}
+    it = BatchIterator(examples, 10, seed=0, mixture=weights)
+    seen = [e.row["task"] for _ in range(40) for e in next(it)]
+    for task, weight in weights.items():
+        share = seen.count(task) / len(seen)
+        assert abs(share - weight) <= 3 * np.sqrt(weight * (1 - weight) / len(seen)), (task, share)
+    state = it.state()
+    following = _ids(next(it))
+    resumed = BatchIterator(examples, 10, seed=0, mixture=weights)
+    resumed.restore(state)
+    assert _ids(next(resumed)) == following
+
+
+def test_mixture_errors_name_the_row_or_the_weight(tokenizer, tmp_path):
+    examples = _mixed_examples(tokenizer, tmp_path, {"a": 4, "b": 4})
+    with pytest.raises(InputError, match=r"task 'b' has no weight in data.mixture \['a'\]"):
+        BatchIterator(examples, 2, mixture={"a": 1.0})
+    with pytest.raises(InputError, match=r"data.mixture names \['z'\] but no valid row"):
+        BatchIterator(examples, 2, mixture={"a": 1.0, "b": 1.0, "z": 1.0})
+    with pytest.raises(ValueError, match=r"data.mixture.a must be a weight >= 0"):
+        DataConfig(mixture={"a": -1.0})
+    with pytest.raises(ValueError, match=r"data.mixture gives every group weight 0"):
+        DataConfig(mixture={"a": 0.0})
+    only_a = BatchIterator(examples, 2, mixture={"a": 1.0, "b": 0.0})
+    assert {e.row["task"] for _ in range(4) for e in next(only_a)} == {"a"}

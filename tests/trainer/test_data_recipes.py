@@ -1,5 +1,8 @@
 """The seeds' batch recipes through the trainer: dynamic sampling (DAPO: only prompt groups whose
-rewards vary, more prompts drawn to fill the batch) and trajectory reuse (``update.epochs``)."""
+rewards vary, more prompts drawn to fill the batch), trajectory reuse (``update.epochs``) and
+task mixtures (``data.mixture``, per SFT stage too)."""
+
+import json
 
 import jax
 import numpy as np
@@ -105,3 +108,45 @@ def test_epochs_run_the_mini_batches_again_over_the_same_batch(files, tmp_path):
         np.testing.assert_array_equal(a, b)
     assert max(np.abs(a - b).max() for a, b in zip(params["one"], params["two"], strict=True)) > 1e-4
     assert int(jax.device_get(trainer.state["step"])) == 2 * 2 * 2
+
+
+@pytest.fixture(scope="module")
+def two_task_files(files, tmp_path_factory):
+    """The demo's training rows split into task "a" (a quarter of them) and "b"."""
+    rows = [json.loads(line) for line in open(files["train"])]
+    path = tmp_path_factory.mktemp("mix") / "train.jsonl"
+    path.write_text("".join(json.dumps({**row, "task": "a" if i % 4 == 0 else "b"}) + "\n"
+                            for i, row in enumerate(rows)))
+    return {**files, "train": str(path)}
+
+
+def test_data_mixture_sets_each_tasks_share_of_the_rl_batch(two_task_files, tmp_path):
+    """Weights a:b = 3:1 over rows that are 1:3: the batches' share of task a (logged per step as
+    reward/a/share) is the weights' 0.75 within 3 standard errors, not the rows' 0.25."""
+    digit = {"kind": "python", "function": "test_loop:digit_reward"}
+    config = make_config(two_task_files, tmp_path, steps=3, data={"mixture": {"a": 3.0, "b": 1.0}},
+                         reward={"task_field": "task", "default_task": None, "tasks": {"a": digit, "b": digit}})
+    trainer = RLTrainer(config)
+    try:
+        rows = [trainer.train_step_once() for _ in range(config.steps)]
+    finally:
+        trainer.close()
+    share = np.mean([r["reward/a/share"] for r in rows])
+    prompts = config.steps * config.rollout.prompts_per_step
+    assert abs(share - 0.75) <= 3 * np.sqrt(0.75 * 0.25 / prompts), share
+
+
+def test_sft_stages_change_the_mixture(two_task_files, tmp_path):
+    from jaxrl.trainer.sft import SFTTrainer
+
+    stages = [{"steps": 1, "max_length": 16, "mixture": {"a": 1.0, "b": 0.0}},
+              {"steps": 1, "max_length": 16, "mixture": {"a": 0.0, "b": 1.0}}]
+    config = make_config(two_task_files, tmp_path, data={"max_response_tokens": 8},
+                         sft={"batch_size": 8, "stages": stages})
+    trainer = SFTTrainer(config)
+    try:
+        for stage, task in ((0, "a"), (1, "b")):
+            trainer._enter_stage(stage)
+            assert {e.row["task"] for _ in range(3) for e in next(trainer.iterator)} == {task}
+    finally:
+        trainer.close()
