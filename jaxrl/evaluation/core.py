@@ -55,7 +55,7 @@ class TaskScores:
         """From ``[prompts, n]`` arrays of rewards and unparsable flags."""
         prompts, n = scores.shape
         correct = (scores > CORRECT_ABOVE).sum(axis=1)
-        return cls(prompts=prompts, n=n, avg_at_n=float(scores.mean()),
+        return cls(prompts=prompts, n=n, avg_at_n=float(scores.mean(dtype=np.float64)),
                    pass_at_k={k: float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks},
                    unparsable=float(unparsable.mean()))
 
