@@ -34,10 +34,11 @@ def _config(tmp_path):
         "data": {"tokenizer": files["tokenizer"], "train_files": [str(data)], "eval_files": [str(data)],
                  "use_chat_template": False, "max_prompt_tokens": 6},
         "rollout": {"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 4},
-        "reward": {"default_task": None, "tasks": {t: {"kind": "python", "function": f"{__name__}:{t}"} for t in ("right", "wrong")}},
+        "reward": {"default_task": None,
+                   "tasks": {t: {"kind": "python", "function": f"{__name__}:{t}"} for t in ("right", "wrong")}},
         "eval": {"samples": 4, "k": [1, 4]},
-        "filter": {"output": str(tmp_path / "kept.jsonl"), "samples": 3, "bands": {"right": {"low": 0, "high": 1},
-                                                                                 "wrong": {"low": 0, "high": 1}}},
+        "filter": {"output": str(tmp_path / "kept.jsonl"), "samples": 3,
+                   "bands": {"right": {"low": 0, "high": 1}, "wrong": {"low": 0, "high": 1}}},
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))

@@ -16,7 +16,7 @@ from jaxrl.data.pipeline import DataConfig
 from jaxrl.demo import write_demo_files
 from jaxrl.evaluation import evaluate, pass_at_k
 from jaxrl.evaluation.filter import FilterConfig, PassBand, run_filter
-from jaxrl.reward import RewardConfig, RewardResult, TaskRewardConfig, build_router
+from jaxrl.reward import RewardConfig, TaskRewardConfig, build_router
 from jaxrl.rollout.base import RolloutEngine, Sample, SamplingParams
 
 N = 6
