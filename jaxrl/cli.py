@@ -15,6 +15,8 @@ COMMANDS = {
     "train": ("jaxrl.trainer.cli", "train_main", "RL training from a config: jaxrl train CONFIG [key=value ...]"),
     "sft": ("jaxrl.trainer.cli", "sft_main", "supervised fine-tuning from a config"),
     "align": ("jaxrl.align.cli", "main", "logprob-alignment checker: engine vs learner"),
+    "eval": ("jaxrl.trainer.evaluate", "eval_main", "score a model: avg@n and pass@k per task: jaxrl eval CONFIG"),
+    "filter": ("jaxrl.trainer.evaluate", "filter_main", "keep prompts by pass rate: jaxrl filter CONFIG"),
 }
 
 

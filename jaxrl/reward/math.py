@@ -2,8 +2,13 @@
 
 Extraction (linear in the response): the last ``\\boxed{...}``/``\\fbox{...}``, else a
 "final answer" phrase (``final answer is X``, ``answer: X``, ``#### X``); none -> unparsable.
-Comparison: raw strings, strings after normalising LaTeX (``\\frac``, ``\\sqrt``, braces,
-``1,000``, ``%``...), then values.
+Comparison (:func:`check_answer`): by default (``checker="normalizer"``) :func:`grade_answer`:
+raw strings, strings after normalising LaTeX (``\\frac``, ``\\sqrt``, braces, ``1,000``,
+``%``...), then values. ``checker="math_verify"`` (opt-in) asks HF's math-verify first, LaTeX
+extraction only (``jaxrl.reward.latex_verify``), and falls back to :func:`grade_answer` where it
+cannot read an answer; it is not the default because it reaches Python's ``eval``
+(docs/evaluation.md#math-answer-checking). Both checkers see only answers within the parser's
+limits.
 
 Parsing: ``jaxrl.reward.math_parser`` reads answers with a whitelisting parser that never
 evaluates text, under size limits (an answer over a limit is unparsable, never a hang).
@@ -233,10 +238,37 @@ def grade_answer(predicted: str, reference: str, rel_tol: float = 1e-6) -> bool:
         return False
 
 
-def answers_match(predicted: str, reference: str, rel_tol: float = 1e-6) -> bool:
-    """``grade_answer`` where an answer over the limits simply does not match."""
+def _check_limits(text: str) -> None:
+    """AnswerTooLarge when ``text`` is over the parser's limits (``jaxrl.reward.math_parser``): checked
+    before math-verify sees it, whose sympy trees have no size bound of their own."""
+    if len(text) > MAX_ANSWER_CHARS:
+        raise AnswerTooLarge(f"answer of {len(text)} characters (limit {MAX_ANSWER_CHARS})")
     try:
-        return grade_answer(predicted, reference, rel_tol)
+        parse_answer(normalize_answer(text))
+    except (NotMath, ValueError):  # not our grammar (an interval, a set...): math-verify may still read it
+        pass
+
+
+def check_answer(predicted: str, reference: str, rel_tol: float = 1e-6, checker: str = "normalizer") -> bool:
+    """True when two final answers agree. ``checker="math_verify"``: math-verify's verdict when it
+    reads both answers, else :func:`grade_answer`'s (the fallback); ``"normalizer"``:
+    :func:`grade_answer` only. Raises AnswerTooLarge when either answer exceeds a limit."""
+    predicted, reference = predicted.strip(), reference.strip()
+    if checker == "math_verify" and predicted and predicted != reference:
+        _check_limits(predicted)
+        _check_limits(reference)
+        from jaxrl.reward.latex_verify import latex_answers_match  # imported only by tasks that choose it
+
+        verdict = latex_answers_match(predicted, reference)
+        if verdict is not None:
+            return verdict
+    return grade_answer(predicted, reference, rel_tol)
+
+
+def answers_match(predicted: str, reference: str, rel_tol: float = 1e-6, checker: str = "normalizer") -> bool:
+    """``check_answer`` where an answer over the limits simply does not match."""
+    try:
+        return check_answer(predicted, reference, rel_tol, checker)
     except AnswerTooLarge:
         return False
 
@@ -249,9 +281,10 @@ class MathAnswerReward:
     parsable). A row without the answer field raises (the router reports it with the sample).
     """
 
-    def __init__(self, answer_field: str = "answer", rel_tol: float = 1e-6):
+    def __init__(self, answer_field: str = "answer", rel_tol: float = 1e-6, checker: str = "normalizer"):
         self.answer_field = answer_field
         self.rel_tol = rel_tol
+        self.checker = checker
 
     def __call__(self, prompt: str, response: str, response_ids: Sequence[int], row: Mapping) -> RewardResult:
         if self.answer_field not in row:
@@ -260,7 +293,7 @@ class MathAnswerReward:
         if predicted is None:
             return RewardResult(score=0.0, unparsable=True)
         try:
-            ok = grade_answer(predicted, str(row[self.answer_field]), self.rel_tol)
+            ok = check_answer(predicted, str(row[self.answer_field]), self.rel_tol, self.checker)
         except AnswerTooLarge:
             return RewardResult(score=0.0, unparsable=True)
         return RewardResult(score=1.0 if ok else 0.0)

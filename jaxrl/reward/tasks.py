@@ -22,7 +22,10 @@ class TaskRewardConfig:
     kind: "math" (final answer vs ``answer_field``), "format" (``pattern`` and
     ``required_phrases``), or "python" (``function`` = "module:callable", called with
     the reward-function signature). For "math", a ``pattern``/``required_phrases``
-    gate multiplies the score (a correct answer in the wrong format scores 0).
+    gate multiplies the score (a correct answer in the wrong format scores 0). checker (math):
+    "normalizer" (the default: the never-evaluating normaliser alone) or "math_verify" (HF
+    math-verify first, the normaliser where it cannot read an answer; it reaches Python's
+    ``eval`` on answer text: docs/evaluation.md#math-answer-checking).
     """
 
     kind: Literal["math", "format", "python"] = "math"
@@ -31,6 +34,7 @@ class TaskRewardConfig:
     required_phrases: tuple[str, ...] = ()
     function: str | None = None
     rel_tol: float = 1e-6
+    checker: Literal["math_verify", "normalizer"] = "normalizer"
 
     def __post_init__(self):
         if self.kind == "python" and not self.function:
@@ -67,7 +71,7 @@ def build_reward(task: TaskRewardConfig) -> RewardFn:
         return _load_callable(task.function)
     if task.kind == "format":
         return FormatReward(task.pattern, task.required_phrases)
-    math = MathAnswerReward(task.answer_field, task.rel_tol)
+    math = MathAnswerReward(task.answer_field, task.rel_tol, task.checker)
     if task.pattern is not None or task.required_phrases:
         return _Gated(math, FormatReward(task.pattern, task.required_phrases))
     return math

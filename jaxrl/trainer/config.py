@@ -13,6 +13,7 @@ import dataclasses
 from typing import Literal
 
 from jaxrl.data.pipeline import DataConfig, check_mixture
+from jaxrl.evaluation.filter import FilterConfig
 from jaxrl.losses.advantages import AdvantageConfig
 from jaxrl.losses.objective import ObjectiveConfig
 from jaxrl.models.config import ModelConfig
@@ -176,12 +177,25 @@ class CriticConfig:
 class EvalConfig:
     """Held-out reward: every ``every`` steps (and before the first and after the last), on up
     to ``max_prompts`` prompts of ``data.eval_files``, ``samples`` samples each, sampled like
-    training (``temperature`` None = the rollout's)."""
+    training (``temperature`` None = the rollout's). ``k``: the pass@k to report besides avg@n
+    (``heldout/pass@K``; each ``k <= samples``; docs/evaluation.md#metrics). ``jaxrl eval``
+    samples with ``samples``, ``temperature`` and ``k`` too, on every prompt unless told
+    ``--max-prompts``."""
 
     every: int = 0
     max_prompts: int = 64
     samples: int = 1
     temperature: float | None = None
+    k: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.samples < 1 or self.max_prompts < 0:
+            raise ValueError(f"eval.samples ({self.samples}) must be >= 1 and eval.max_prompts "
+                             f"({self.max_prompts}) >= 0")
+        bad = [k for k in self.k if not 1 <= k <= self.samples]
+        if bad:
+            raise ValueError(f"eval.k={list(self.k)}: pass@k needs 1 <= k <= eval.samples={self.samples}; "
+                             f"raise eval.samples or drop k={bad}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +254,8 @@ class TrainConfig:
     """A whole run. ``output_dir`` receives metrics, TensorBoard events and plots; checkpoints go
     to ``checkpoint.directory`` (none when it is empty). ``steps``: RL steps (outer iterations of
     docs/training.md#the-rl-update-loop). ``critic`` is not None exactly when the run has a critic
-    (``advantage.estimator: gae``; the section's defaults when it is not given)."""
+    (``advantage.estimator: gae``; the section's defaults when it is not given). ``filter``: the
+    section of ``jaxrl filter`` only (docs/evaluation.md#the-pass-rate-filter)."""
 
     output_dir: str
     model: PolicyConfig
@@ -258,6 +273,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
+    filter: FilterConfig = FilterConfig()
     logging: LoggingConfig = LoggingConfig()
     sft: SFTConfig = SFTConfig()
 

@@ -41,6 +41,7 @@ from flax import nnx
 
 from jaxrl import distributed
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
+from jaxrl.evaluation import evaluate
 from jaxrl.models import make_mesh, save_hf_checkpoint
 from jaxrl.models.scoring import LogprobScorer
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
@@ -338,15 +339,15 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:
-        """Held-out reward (same reward code as training) on ``data.eval_files``."""
+        """Held-out reward, unparsable fraction and pass@``eval.k`` on ``data.eval_files``: the same
+        sampling and reward code as training, through ``jaxrl eval``'s (docs/evaluation.md)."""
         if not self.eval_examples:
             return {}
         e = self.config.eval
-        samples = self._rollout(self.eval_examples, seed=_seed(self.config.seed, -1), n=e.samples,
-                                temperature=e.temperature)
-        scored, _ = self._score(self.eval_examples, samples)
-        return {"heldout/reward": float(scored.scores.mean()),
-                "heldout/unparsable": float(scored.unparsable.mean())}
+        result = evaluate(self.engine, self.router, self.tokenizer, self.eval_examples,
+                          self._sampling(_seed(self.config.seed, -1), e.temperature), e.samples, e.k,
+                          on_error=self.errors.append)
+        return result.metrics("heldout")
 
     # ---------------------------------------------------------------- checkpoints
     def _meta(self) -> dict:

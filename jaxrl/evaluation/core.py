@@ -1,0 +1,151 @@
+"""Scoring a model the way papers report it (docs/evaluation.md#metrics).
+
+``n`` samples per prompt from a rollout engine, each scored by the task's reward (the
+same router as training). Per task and over all prompts:
+
+- ``avg@n``: the mean reward over the ``n`` samples of a prompt, averaged over prompts
+  (pass@1 averaged over the ``n`` samples when the reward is 0/1);
+- ``pass@k`` for each configured ``k <= n``: the unbiased estimator of Chen et al. 2021,
+  ``1 - C(n-c, k) / C(n, k)`` per prompt with ``c`` of its ``n`` samples correct
+  (reward > ``CORRECT_ABOVE``), averaged over prompts;
+- ``unparsable``: the fraction of samples the reward could not grade.
+
+The trainer's periodic held-out evaluation and ``jaxrl eval`` both call :func:`evaluate`;
+``jaxrl filter`` calls :func:`sample_and_score`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jaxrl.data.pipeline import Example
+from jaxrl.reward.base import RewardRouter, ScoredBatch
+from jaxrl.rollout.base import RolloutEngine, SamplingParams
+
+# A sample counts as correct for pass@k when its reward exceeds this (binary 0/1 rewards; the
+# same rule as the pass@k advantages in jaxrl.losses.passk).
+CORRECT_ABOVE = 0.5
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with ``c`` correct among ``n`` samples (Chen et al. 2021):
+    the probability that a random ``k``-subset of the ``n`` samples holds a correct one."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskScores:
+    """One task's (or all prompts') figures: ``prompts`` prompts, ``n`` samples each."""
+
+    prompts: int
+    n: int
+    avg_at_n: float
+    pass_at_k: dict[int, float]
+    unparsable: float
+
+    @classmethod
+    def of(cls, scores: np.ndarray, unparsable: np.ndarray, ks: Sequence[int]) -> "TaskScores":
+        """From ``[prompts, n]`` arrays of rewards and unparsable flags."""
+        prompts, n = scores.shape
+        correct = (scores > CORRECT_ABOVE).sum(axis=1)
+        return cls(prompts=prompts, n=n, avg_at_n=float(scores.mean(dtype=np.float64)),
+                   pass_at_k={k: float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks},
+                   unparsable=float(unparsable.mean()))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """Per-task and overall figures, with the sampling settings that produced them."""
+
+    tasks: dict[str, TaskScores]
+    overall: TaskScores
+    sampling: dict
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """Flat metrics for the trainer's log: ``PREFIX/reward`` (the overall avg@n),
+        ``PREFIX/unparsable``, ``PREFIX/pass@K``, and per task ``PREFIX/TASK/...`` when there
+        are several."""
+        out = {}
+        groups = [("", self.overall)] + ([(f"{t}/", s) for t, s in self.tasks.items()] if len(self.tasks) > 1 else [])
+        for name, s in groups:
+            out[f"{prefix}/{name}reward"] = s.avg_at_n
+            out[f"{prefix}/{name}unparsable"] = s.unparsable
+            out.update({f"{prefix}/{name}pass@{k}": v for k, v in s.pass_at_k.items()})
+        return out
+
+    def to_json(self) -> dict:
+        def plain(s: TaskScores) -> dict:
+            return {"prompts": s.prompts, "n": s.n, f"avg@{s.n}": s.avg_at_n, "unparsable": s.unparsable,
+                    **{f"pass@{k}": v for k, v in s.pass_at_k.items()}}
+
+        return {"sampling": self.sampling, "overall": plain(self.overall),
+                "tasks": {t: plain(s) for t, s in self.tasks.items()}}
+
+    def table(self) -> str:
+        """A plain-text table: one row per task and one for all prompts."""
+        ks = sorted(self.overall.pass_at_k)
+        header = ["task", "prompts", f"avg@{self.overall.n}", *(f"pass@{k}" for k in ks), "unparsable"]
+        rows = [[t, str(s.prompts), f"{s.avg_at_n:.4f}", *(f"{s.pass_at_k[k]:.4f}" for k in ks),
+                 f"{s.unparsable:.4f}"] for t, s in [*sorted(self.tasks.items()), ("all", self.overall)]]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                 for r in [header, *rows]]
+        settings = ", ".join(f"{k}={v}" for k, v in self.sampling.items())
+        return "\n".join([*lines, f"sampling: {settings}"])
+
+    def write_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+            f.write("\n")
+
+
+def sampling_record(params: SamplingParams, n: int) -> dict:
+    """What produced the samples, for the result files: the engine's settings and ``n``."""
+    return {"n": n, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "max_new_tokens": params.max_new_tokens, "seed": params.seed}
+
+
+def sample_and_score(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: Sequence[Example],
+                     params: SamplingParams, n: int,
+                     on_error: Callable[[str], None] | None = None) -> tuple[list, ScoredBatch]:
+    """``n`` samples per prompt (``samples[i][j]``) and their rewards, flat in that order. Responses
+    are decoded without special tokens, as the trainer decodes them for its rewards."""
+    samples = engine.generate([e.prompt_ids.tolist() for e in examples], params, n=n)
+    flat = [(e, s) for e, group in zip(examples, samples, strict=True) for s in group]
+    responses = [tokenizer.decode(s.output_ids, skip_special_tokens=True) for _, s in flat]
+    scored = router.score([e.prompt for e, _ in flat], responses, [s.output_ids.tolist() for _, s in flat],
+                          [e.row for e, _ in flat], on_error=on_error)
+    return samples, scored
+
+
+def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: Sequence[Example],
+             params: SamplingParams, n: int, ks: Sequence[int] = (), *, chunk_prompts: int | None = None,
+             on_error: Callable[[str], None] | None = None) -> EvalResult:
+    """Samples ``n`` completions per prompt, scores them, and returns the per-task and overall
+    avg@n and pass@k (``ks``, each at most ``n``). ``chunk_prompts``: prompts per engine call
+    (None: all at once), to bound the engine's batch."""
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad:
+        raise ValueError(f"pass@k needs 1 <= k <= n (samples per prompt, {n}); got k={bad}")
+    if not examples:
+        raise ValueError("evaluate: no prompts to score")
+    step = chunk_prompts or len(examples)
+    scores, unparsable, tasks = [], [], []
+    for start in range(0, len(examples), step):
+        chunk = examples[start:start + step]
+        _, scored = sample_and_score(engine, router, tokenizer, chunk, params, n, on_error)
+        scores.append(scored.scores.reshape(len(chunk), n))
+        unparsable.append(scored.unparsable.reshape(len(chunk), n))
+        tasks.extend(scored.tasks[::n])
+    all_scores, all_unparsable, task_of = np.concatenate(scores), np.concatenate(unparsable), np.array(tasks)
+    per_task = {t: TaskScores.of(all_scores[task_of == t], all_unparsable[task_of == t], ks)
+                for t in sorted(set(tasks))}
+    return EvalResult(tasks=per_task, overall=TaskScores.of(all_scores, all_unparsable, ks),
+                      sampling=sampling_record(params, n))
