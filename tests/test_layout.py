@@ -17,7 +17,7 @@ LAYERS = {
     "jaxrl.config": 1, "jaxrl.distributed": 1,
     "jaxrl.losses": 2, "jaxrl.models": 2, "jaxrl.data": 2, "jaxrl.reward": 2,
     "jaxrl.rollout": 3,
-    "jaxrl.align": 4, "jaxrl.evaluation": 4,
+    "jaxrl.align": 4, "jaxrl.evaluation": 4, "jaxrl.env": 4,
     "jaxrl.trainer": 5,
     "jaxrl.demo": 6, "jaxrl.cli": 6,
 }

@@ -56,19 +56,21 @@ class _Gated:
         return RewardResult(score=0.0, unparsable=False)
 
 
-def _load_callable(spec: str) -> RewardFn:
+def load_callable(spec: str, what: str = "reward function"):
+    """The object named by "package.module:attribute"; ValueError naming ``what`` and ``spec`` when it
+    cannot be imported (also used for user environments, ``jaxrl.env.config``)."""
     module_name, _, attr = spec.partition(":")
     if not attr:
-        raise ValueError(f"reward function {spec!r} must look like 'package.module:function'")
+        raise ValueError(f"{what} {spec!r} must look like 'package.module:function'")
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward function {spec!r} cannot be imported: {e}") from e
+        raise ValueError(f"{what} {spec!r} cannot be imported: {e}") from e
 
 
 def build_reward(task: TaskRewardConfig) -> RewardFn:
     if task.kind == "python":
-        return _load_callable(task.function)
+        return load_callable(task.function)
     if task.kind == "format":
         return FormatReward(task.pattern, task.required_phrases)
     math = MathAnswerReward(task.answer_field, task.rel_tol, task.checker)

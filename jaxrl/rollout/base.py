@@ -103,12 +103,20 @@ class Conversation:
     the model generated and 0 on prompt, tool and environment tokens;
     ``turn_ids`` [L] numbers model turns from 0 (-1 on non-model tokens);
     ``rollout_logprobs`` [L] holds the engine's logprob on model tokens (0 elsewhere).
+    ``finish_reasons``: each model turn's ``Sample.finish_reason``, in order.
+    ``routed_experts`` [R, num_moe_layers, top_k] int32 (MoE engines that report routes, else
+    None): the routes of positions 0..R-1 as the engine computed them when it first fed each
+    position, so model tokens keep their decode routes and the environment tokens between
+    turns take the next turn's prefill routes (R = L - 1 after a model turn; environment tokens
+    appended since are covered by the next turn).
     """
 
     token_ids: np.ndarray
     model_mask: np.ndarray
     turn_ids: np.ndarray
     rollout_logprobs: np.ndarray
+    finish_reasons: tuple[str, ...] = ()
+    routed_experts: np.ndarray | None = None
 
     @classmethod
     def from_prompt(cls, prompt_ids: Sequence[int]) -> "Conversation":
@@ -133,7 +141,22 @@ class Conversation:
             rollout_logprobs=np.concatenate(
                 [self.rollout_logprobs, np.asarray(sample.output_logprobs, np.float32)]
             ),
+            finish_reasons=self.finish_reasons + (sample.finish_reason,),
+            routed_experts=self._routes_with(sample),
         )
+
+    def _routes_with(self, sample: Sample) -> np.ndarray | None:
+        """Routes after ``sample``'s turn: the positions already covered keep the routes they were
+        generated with (a later prefill recomputes them, possibly differently); the rest come from
+        this turn's prefill and decode. None unless every turn so far reported routes."""
+        if sample.routed_experts is None or sample.prompt_routed_experts is None:
+            return None
+        if self.routed_experts is None and self.num_model_turns > 0:
+            return None
+        covered = 0 if self.routed_experts is None else len(self.routed_experts)
+        parts = [] if self.routed_experts is None else [self.routed_experts]
+        parts += [sample.prompt_routed_experts[covered:], sample.routed_experts]
+        return np.concatenate(parts).astype(np.int32)
 
     def add_environment_tokens(self, token_ids: Sequence[int]) -> "Conversation":
         """Appends tool/environment tokens; they are never trained on."""
@@ -143,6 +166,8 @@ class Conversation:
             model_mask=np.concatenate([self.model_mask, np.zeros(n, np.int32)]),
             turn_ids=np.concatenate([self.turn_ids, np.full(n, -1, np.int32)]),
             rollout_logprobs=np.concatenate([self.rollout_logprobs, np.zeros(n, np.float32)]),
+            finish_reasons=self.finish_reasons,
+            routed_experts=self.routed_experts,
         )
 
 
