@@ -95,12 +95,15 @@ def test_sandbox_kills_runaways_and_leaves_nothing_behind(code, what):
     elapsed = time.perf_counter() - start
     result = describe_execution(run, LIMITS)
     assert result.error
+    # What ended each run is in its exit status; the time bound only shows it ended long before the
+    # code would have on its own (60 s, or never), with room for a loaded CI machine's start-up.
+    assert elapsed < 30
     if what == "cpu":
-        assert run.cpu_limit and run.exit_code == -signal.SIGXCPU and elapsed < LIMITS.timeout_s + 1
+        assert run.cpu_limit and run.exit_code == -signal.SIGXCPU and not run.timed_out
     elif what == "wall":
-        assert run.timed_out and result.timed_out and elapsed < LIMITS.timeout_s + 2
+        assert run.timed_out and result.timed_out
     else:
-        assert "MemoryError" in run.stderr and elapsed < LIMITS.timeout_s
+        assert "MemoryError" in run.stderr and not run.timed_out
     assert not _group_alive(run.pid), "a process of the sandbox's group is still running"
     assert _tool_dirs() <= before, "the sandbox's temporary directory was not removed"
 
