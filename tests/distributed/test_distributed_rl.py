@@ -26,8 +26,9 @@ STEPS = 2
 ATOL = 1e-5
 
 
-def _demo_model_and_data(root) -> list[str]:
-    """Writes the demo's tokenizer and data and a random model of its architecture; returns overrides."""
+def _demo_model_and_data(root, **changes) -> list[str]:
+    """Writes the demo's tokenizer and data and a random model of its architecture (with
+    ``changes``); returns overrides."""
     from flax import nnx
 
     from jaxrl.demo import write_demo_files
@@ -35,7 +36,7 @@ def _demo_model_and_data(root) -> list[str]:
 
     paths = write_demo_files(str(root))
     with open(os.path.join(REPO, "configs", "demo_sft.yaml")) as f:
-        architecture = yaml.safe_load(f)["model"]["architecture"]
+        architecture = {**yaml.safe_load(f)["model"]["architecture"], **changes}
     save_hf_checkpoint(Decoder(ModelConfig(**architecture), rngs=nnx.Rngs(0)), str(root / "hf"))
     return [
         f"model.hf_path={root / 'hf'}", f"data.tokenizer={paths['tokenizer']}",
@@ -112,3 +113,25 @@ def test_demo_rl_steps_on_two_processes_equal_one_process_with_eight_devices(pro
     assert exported.keys() == two_params.keys()
     for name in exported:
         np.testing.assert_array_equal(exported[name], two_params[name], err_msg=name)
+
+
+def test_moe_routing_replay_on_two_processes_equals_one_process(processes, tmp_path):
+    """The engine's routes travel in the step batch spread over two processes (expert=4 x fsdp=2):
+    the replayed update equals one process's, and so do the route-disagreement metrics."""
+    layers = 2
+    overrides = _demo_model_and_data(tmp_path, num_layers=layers, mlp_types=["moe"] * layers, num_experts=8,
+                                     num_experts_per_tok=2, moe_intermediate_size=32)
+    train = [sys.executable, "-m", "jaxrl.cli", "train", "configs/demo.yaml", *overrides,
+             "update.routing_replay=true", "mesh.data=1", "mesh.fsdp=2", "mesh.expert=4"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    processes.start_group([*train, f"output_dir={two}", f"checkpoint.directory={two / 'ckpt'}"])
+    processes.start([*train, f"output_dir={one}", f"checkpoint.directory={one / 'ckpt'}"], child_env(8))
+    for result in processes.wait_all(timeout_s=400):
+        assert result.returncode == 0, result.output[-5000:]
+    for a, b in zip(_rows(two / "metrics.jsonl"), _rows(one / "metrics.jsonl"), strict=True):
+        assert a["reward/mean"] == b["reward/mean"] and a["routing/disagreement"] == b["routing/disagreement"]
+        np.testing.assert_allclose(a["update/loss"], b["update/loss"], rtol=1e-5, atol=1e-6)
+    two_params, one_params = _restore_params(str(two / "ckpt")), _restore_params(str(one / "ckpt"))
+    assert any("router" in name for name in two_params)
+    for name in two_params:
+        np.testing.assert_allclose(two_params[name], one_params[name], rtol=0, atol=ATOL, err_msg=name)
