@@ -44,7 +44,7 @@ class EnvTaskConfig:
     system_prompt: str | None = None
     limits: EnvLimits = EnvLimits()
     python: PythonToolConfig = PythonToolConfig()
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.kind not in ("tools", "python"):
@@ -68,7 +68,7 @@ class EnvConfig:
 
     task_field: str = "task"
     default_task: str | None = "tools"
-    tasks: Mapping[str, EnvTaskConfig] = dataclasses.field(default_factory=lambda: {"tools": EnvTaskConfig()})
+    tasks: dict[str, EnvTaskConfig] = dataclasses.field(default_factory=lambda: {"tools": EnvTaskConfig()})
     use_chat_template: bool = True
     tool_workers: int = 8
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxrl.env.base import ENV_ERROR, FINISH_REASONS, MAX_TOKENS, MAX_TURNS, Environment, StepResult
 from jaxrl.reward.base import describe_exception
-from jaxrl.rollout.base import Conversation, RolloutEngine, SamplingParams
+from jaxrl.rollout.base import Conversation, RolloutEngine, Sample, SamplingParams
 
 log = logging.getLogger(__name__)
 COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "truncations")
@@ -50,6 +50,21 @@ class Episode:
     @property
     def done(self) -> bool:
         return bool(self.finish)
+
+    def as_sample(self, weight_version: str) -> Sample:
+        """The conversation as one multi-turn ``Sample``: the tokens before the first model turn
+        are its prompt, everything after its output (``output_mask`` 0 on the environment's
+        tokens, ``output_turn_ids``), with the engine's logprobs and routes of every turn."""
+        c = self.conversation
+        model = np.flatnonzero(c.model_mask)
+        first = int(model[0]) if model.size else len(c.token_ids)
+        routes = c.routed_experts
+        return Sample(
+            prompt_ids=c.token_ids[:first], output_ids=c.token_ids[first:],
+            output_logprobs=c.rollout_logprobs[first:], finish_reason=self.finish, weight_version=weight_version,
+            routed_experts=None if routes is None else routes[first - 1:],
+            prompt_routed_experts=None if routes is None else routes[:first - 1],
+            output_mask=c.model_mask[first:], output_turn_ids=c.turn_ids[first:], episode=self)
 
 
 @dataclasses.dataclass(frozen=True)

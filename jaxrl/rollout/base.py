@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -83,6 +83,11 @@ class Sample:
       routed_experts])`` is then the routes of positions 0..P+N-2, every token
       fed to the model (the last output token never is), as a learner forward
       over ``prompt_ids + output_ids`` replays them.
+    output_mask, output_turn_ids: for a multi-turn sample (a whole conversation after its
+      prompt, ``jaxrl.env``), [N] int32: 1 on the tokens the model generated and 0 on the
+      environment's (tool responses), and the model turn of each token (-1 on the
+      environment's); None for a single model turn. episode: the environment's record of the
+      conversation (``jaxrl.env.rollout.Episode``: why it ended, its reward, tool counts), or None.
     """
 
     prompt_ids: np.ndarray
@@ -93,6 +98,14 @@ class Sample:
     logprob_kind: LogprobKind = LogprobKind.RAW
     routed_experts: np.ndarray | None = None
     prompt_routed_experts: np.ndarray | None = None
+    output_mask: np.ndarray | None = None
+    output_turn_ids: np.ndarray | None = None
+    episode: Any = None
+
+    @property
+    def model_ids(self) -> np.ndarray:
+        """The output tokens the model generated (every one, for a single turn)."""
+        return self.output_ids if self.output_mask is None else self.output_ids[np.asarray(self.output_mask) > 0]
 
 
 @dataclasses.dataclass

@@ -54,7 +54,9 @@ class StepBatch:
     penalty; 0 off the ``mask``;
     routed_experts: int32 [N, T, MoE layers, k], for MoE engines that return their routes: the
     experts the engine used at each input column (-1 on padding), replayed by the learner's
-    forwards with ``update.routing_replay`` (``None`` otherwise).
+    forwards with ``update.routing_replay`` (``None`` otherwise);
+    turn_ids: int32, multi-turn samples only: the model turn of each target on the ``mask``, -1
+    elsewhere (``None`` for single-turn samples).
     """
 
     input_ids: Any
@@ -72,15 +74,19 @@ class StepBatch:
     returns: Any = None
     token_rewards: Any = None
     routed_experts: Any = None
+    turn_ids: Any = None
 
     @classmethod
     def pack(cls, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], length: int, pad_id: int,
-             rollout_logp: Sequence[np.ndarray] | None = None) -> "StepBatch":
+             rollout_logp: Sequence[np.ndarray] | None = None, model_masks: Sequence | None = None,
+             turn_ids: Sequence | None = None) -> "StepBatch":
         """Right-padded rows ``prompt + completion`` of ``length`` next-token columns.
 
-        ``mask`` and ``generated`` mark the completion's targets; ``rollout_logp[i][j]`` (when
-        given) lands at completion token j's target column. A sequence longer than
-        ``length + 1`` tokens is an error naming it.
+        ``mask`` and ``generated`` mark the completion's targets, or with ``model_masks[i]`` (per
+        completion token, multi-turn samples: 0 on the environment's tokens) those of them the
+        model generated; ``rollout_logp[i][j]`` (when given) lands at completion token j's
+        target column, as ``turn_ids[i][j]`` (the model turn, -1 elsewhere) in ``turn_ids``. A
+        sequence longer than ``length + 1`` tokens is an error naming it.
         """
         n = len(prompts)
         input_ids = np.full((n, length), pad_id, np.int32)
@@ -88,6 +94,7 @@ class StepBatch:
         segment_ids = np.zeros((n, length), np.int32)
         mask = np.zeros((n, length), np.float32)
         logp = np.zeros((n, length), np.float32) if rollout_logp is not None else None
+        turns = np.full((n, length), -1, np.int32) if turn_ids is not None else None
         for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             tokens = np.concatenate([np.asarray(prompt, np.int32), np.asarray(completion, np.int32)])
             if len(tokens) > length + 1:
@@ -97,13 +104,15 @@ class StepBatch:
             m = len(tokens) - 1
             input_ids[i, :m], targets[i, :m], segment_ids[i, :m] = tokens[:-1], tokens[1:], 1
             start = len(prompt) - 1
-            mask[i, start:m] = 1.0
+            mask[i, start:m] = 1.0 if model_masks is None else np.asarray(model_masks[i], np.float32)
             if logp is not None:
-                logp[i, start:m] = np.asarray(rollout_logp[i], np.float32)
+                logp[i, start:m] = np.asarray(rollout_logp[i], np.float32) * mask[i, start:m]
+            if turns is not None:
+                turns[i, start:m] = turn_ids[i]
         return cls(
             input_ids=input_ids, positions=np.tile(np.arange(length, dtype=np.int32), (n, 1)),
             segment_ids=segment_ids, targets=targets, mask=mask, generated=mask > 0, rollout_logp=logp,
-            prompt_lengths=np.asarray([len(p) for p in prompts], np.int32))
+            prompt_lengths=np.asarray([len(p) for p in prompts], np.int32), turn_ids=turns)
 
     @classmethod
     def from_samples(cls, pairs: Sequence[tuple[Any, Any]], length: int, pad_id: int, valid: np.ndarray) -> "StepBatch":
@@ -112,8 +121,15 @@ class StepBatch:
         routes ``sample.prompt_routed_experts`` + ``sample.routed_experts``), prompt-major. A
         sample with ``valid`` False (e.g. unparsable) keeps its tokens (the push check and the
         alignment dump read them) but leaves the loss's ``mask``."""
-        batch = cls.pack([e.prompt_ids for e, _ in pairs], [s.output_ids for _, s in pairs], length, pad_id,
-                         rollout_logp=[s.output_logprobs for _, s in pairs])
+        samples = [s for _, s in pairs]
+        if any(s.output_mask is not None for s in samples):  # conversations: the prompt is the environment's
+            batch = cls.pack([s.prompt_ids for s in samples], [s.output_ids for s in samples], length, pad_id,
+                             rollout_logp=[s.output_logprobs for s in samples],
+                             model_masks=[s.output_mask for s in samples],
+                             turn_ids=[s.output_turn_ids for s in samples])
+        else:
+            batch = cls.pack([e.prompt_ids for e, _ in pairs], [s.output_ids for s in samples], length, pad_id,
+                             rollout_logp=[s.output_logprobs for s in samples])
         routes = _pack_routes([s for _, s in pairs], batch.segment_ids) if pairs else None
         return batch.replace(mask=batch.mask * np.asarray(valid)[:, None], routed_experts=routes)
 
@@ -167,7 +183,8 @@ class StepBatch:
             token_ids=tokens, model_mask=model_mask,
             rollout_logprobs=token_aligned(np.asarray(self.rollout_logp, np.float32)),
             learner_logprobs=np.where(model_mask, token_aligned(np.asarray(self.old_logp, np.float32)), 0.0),
-            turn_ids=np.where(model_mask, 0, -1), prompt_lengths=np.asarray(self.prompt_lengths),
+            turn_ids=(np.where(model_mask, 0, -1) if self.turn_ids is None else token_aligned(self.turn_ids, -1)),
+            prompt_lengths=np.asarray(self.prompt_lengths),
             lengths=np.asarray(self.segment_ids).sum(axis=1) + 1, meta=meta)
 
 

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Literal
 
 from jaxrl.data.pipeline import DataConfig, check_mixture
+from jaxrl.env.config import EnvConfig
 from jaxrl.evaluation.filter import FilterConfig
 from jaxrl.losses.advantages import AdvantageConfig
 from jaxrl.losses.objective import ObjectiveConfig
@@ -253,7 +254,8 @@ class SFTConfig:
 class TrainConfig:
     """A whole run. ``output_dir`` receives metrics, TensorBoard events and plots; checkpoints go
     to ``checkpoint.directory`` (none when it is empty). ``steps``: RL steps (outer iterations of
-    docs/training.md#the-rl-update-loop). ``critic`` is not None exactly when the run has a critic
+    docs/training.md#the-rl-update-loop). ``env``: multi-turn rollouts with environments and tools
+(``jaxrl.trainer.episodes``; None: one model turn per sample). ``critic`` is not None exactly when the run has a critic
     (``advantage.estimator: gae``; the section's defaults when it is not given). ``filter``: the
     section of ``jaxrl filter`` only (docs/evaluation.md#the-pass-rate-filter)."""
 
@@ -268,6 +270,7 @@ class TrainConfig:
     rollout: RolloutConfig = RolloutConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     critic: CriticConfig | None = None
+    env: EnvConfig | None = None
     objective: ObjectiveConfig = ObjectiveConfig()
     update: UpdateConfig = UpdateConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -301,6 +304,9 @@ class TrainConfig:
             raise ValueError(
                 f"advantage.passk_k={self.advantage.passk_k} exceeds rollout.group_size={self.rollout.group_size}: "
                 f"pass@k needs k <= G samples per prompt; lower advantage.passk_k or raise rollout.group_size")
+        if self.env is not None and self.rollout.max_staleness > 0:
+            raise ValueError(f"env (multi-turn rollouts) runs with the synchronous loop for now; set "
+                             f"rollout.max_staleness=0 (got {self.rollout.max_staleness})")
         sequences = self.rollout.prompts_per_step * self.rollout.group_size
         split = self.update.mini_batches * self.update.micro_batches
         if sequences % split:

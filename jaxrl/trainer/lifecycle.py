@@ -18,13 +18,16 @@ import os
 import shutil
 import signal
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from jaxrl.errors import InputError
+from jaxrl.models import save_hf_checkpoint
 from jaxrl.trainer.checkpoint import Checkpointer
+from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
+from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
 
 log = logging.getLogger(__name__)
 
@@ -182,3 +185,48 @@ def end_step(stop: StopSignals, checkpointer: Checkpointer | None, step: int, sa
         save()
     checkpointer.wait()
     raise TrainingInterrupted(signum, step, checkpointer.directory)
+
+
+def run_rl(trainer) -> dict[str, Any]:
+    """An RL trainer's run to ``config.steps``: held-out evaluation at the start, every
+    ``eval.every`` steps and at the end, metrics and TensorBoard, checkpoints, a stop on a
+    signal after the current step, the HF export and the plots; returns the summary."""
+    config = trainer.config
+    logger = MetricsLogger(config.output_dir, config.steps, start_step=trainer.step,
+                           progress=config.logging.progress, tensorboard=config.logging.tensorboard)
+    summary: dict[str, Any] = {}
+    try:
+        with StopSignals() as stop:
+            if trainer.step == 0 and trainer.eval_examples:
+                start = trainer.evaluate()
+                summary["heldout_start"] = start.get("heldout/reward")
+                logger.log(0, start)
+            while trainer.step < config.steps:
+                metrics = trainer.train_step_once()
+                final = trainer.step == config.steps
+                if trainer.eval_examples and (final or (config.eval.every and trainer.step % config.eval.every == 0)):
+                    metrics.update(trainer.evaluate())
+                logger.log(trainer.step, metrics)
+                for message in trainer.errors:
+                    logger.write(message if message.startswith("step ") else f"step {trainer.step}: {message}")
+                trainer.errors.clear()
+                end_step(stop, trainer.checkpointer, trainer.step, trainer.save, final)
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.wait()
+        if config.checkpoint.export_hf:
+            save_hf_checkpoint(trainer.model(), config.checkpoint.export_hf)
+            summary["hf_export"] = config.checkpoint.export_hf
+    finally:
+        logger.close()
+    rows = read_jsonl(logger.jsonl_path)
+    heldout = [row["heldout/reward"] for row in rows if row.get("heldout/reward") is not None]
+    if heldout:
+        summary.setdefault("heldout_start", heldout[0])
+        summary["heldout_end"] = heldout[-1]
+    if config.logging.plots:
+        summary["plots"] = plot_run(rows, os.path.join(config.output_dir, "plots"))
+    fit = fit_run_entropy_law(rows)
+    if fit is not None:
+        summary["entropy_law"] = {k: fit[k] for k in ("a", "b", "ceiling", "rmse")}
+    summary["metrics"] = logger.jsonl_path
+    return summary

@@ -41,8 +41,9 @@ from flax import nnx
 
 from jaxrl import distributed
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
+from jaxrl.env import EnvRouter
 from jaxrl.evaluation import evaluate
-from jaxrl.models import make_mesh, save_hf_checkpoint
+from jaxrl.models import make_mesh
 from jaxrl.models.scoring import LogprobScorer
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.reward import build_router
@@ -56,9 +57,9 @@ from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.critic import Critic
 from jaxrl.trainer.dynamic_sampling import Drawn, fill_with_signal
 from jaxrl.trainer.guard import UpdateGuard
-from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, end_step, open_run
-from jaxrl.trainer.metrics import MetricsLogger, StageClock, read_jsonl
-from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
+from jaxrl.trainer.episodes import environment_metrics, generate_conversations, with_environment_rewards
+from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_rl
+from jaxrl.trainer.metrics import StageClock
 from jaxrl.trainer.rollouts import RolloutBatch, RolloutQueue, staleness_metrics
 from jaxrl.trainer.update import build_optimizer, make_train_step, rl_loss_fn
 
@@ -91,6 +92,7 @@ class RLTrainer:
         # batch is the same for any number of processes (jaxrl.distributed).
         self.iterator = BatchIterator(self.examples, config.rollout.prompts_per_step, seed=data.seed,
                                       shuffle=data.shuffle, mixture=data.mixture, mixture_field=data.mixture_field)
+        self.envs = EnvRouter(config.env, self.tokenizer) if config.env is not None else None
         self.mesh = make_mesh(config.mesh)
         model = build_model(config.model, self.mesh)
         self.moe_layers = model.config.moe_layer_indices
@@ -99,7 +101,10 @@ class RLTrainer:
             if value and not self.moe_layers:
                 raise ValueError(f"update.{key} is for MoE models (routers, experts), and this model has no MoE "
                                  f"layers; leave update.{key} unset")
-        self.length = sequence_row_length(data.max_prompt_tokens + config.rollout.max_new_tokens - 1, self.mesh)
+        longest = data.max_prompt_tokens + config.rollout.max_new_tokens  # a conversation: its env's token limit
+        if config.env is not None:
+            longest = max(task.limits.max_total_tokens for task in config.env.tasks.values())
+        self.length = sequence_row_length(longest - 1, self.mesh)
         # Policy updates: none during the critic's warm-up steps (the LR schedule counts real updates).
         warmup = config.critic.warmup_steps if config.critic is not None else 0
         self.total_updates = max(config.steps - warmup, 0) * config.update.mini_batches * config.update.epochs
@@ -171,16 +176,20 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- one step
     def _rollout(self, examples, seed: int, n: int, temperature: float | None = None):
+        if self.envs is not None:  # conversations with the rows' environments (config section env)
+            return generate_conversations(self.engine, self.envs, examples, self._sampling(seed, temperature), n)
         prompts = [e.prompt_ids.tolist() for e in examples]
         return self.engine.generate(prompts, self._sampling(seed, temperature), n=n)
 
     def _score(self, examples, samples):
+        """The task rewards of the model's tokens (and an environment's own reward)."""
         flat = [(e, s) for e, group in zip(examples, samples, strict=True) for s in group]
-        responses = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for _, s in flat]
-        return self.router.score(
-            [e.prompt for e, _ in flat], responses, [s.output_ids.tolist() for _, s in flat],
+        responses = [self.tokenizer.decode(s.model_ids, skip_special_tokens=True) for _, s in flat]
+        scored = self.router.score(
+            [e.prompt for e, _ in flat], responses, [s.model_ids.tolist() for _, s in flat],
             [e.row for e, _ in flat], on_error=self.errors.append,
-        ), flat
+        )
+        return with_environment_rewards(scored, [s for _, s in flat]), flat
 
     def _generate(self, examples, index: int, draw: int = 0):
         """Batch ``index``'s samples (and ReMax's greedy baseline responses) with the engine's
@@ -250,7 +259,8 @@ class RLTrainer:
         return {
             **stages.rollout_metrics([s for _, s in flat]), **staleness_metrics(rollout, step - 1), **dynamic_metrics,
             **stages.reward_metrics(scored), **recompute_metrics, **advantage_metrics, **filter_metrics,
-            **update_metrics, **push_metrics, "data/bad_rows": self.data_report.bad_rows,
+            **update_metrics, **push_metrics, **environment_metrics([s for _, s in flat]),
+            "data/bad_rows": self.data_report.bad_rows,
             **clock.metrics(tokens=batch.num_tokens), "time/generation": rollout.generate_seconds,
         }
 
@@ -387,45 +397,8 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
-        config = self.config
-        logger = MetricsLogger(config.output_dir, config.steps, start_step=self.step,
-                               progress=config.logging.progress, tensorboard=config.logging.tensorboard)
-        summary: dict[str, Any] = {}
-        try:
-            with StopSignals() as stop:
-                if self.step == 0 and self.eval_examples:
-                    start = self.evaluate()
-                    summary["heldout_start"] = start.get("heldout/reward")
-                    logger.log(0, start)
-                while self.step < config.steps:
-                    metrics = self.train_step_once()
-                    final = self.step == config.steps
-                    if self.eval_examples and (final or (config.eval.every and self.step % config.eval.every == 0)):
-                        metrics.update(self.evaluate())
-                    logger.log(self.step, metrics)
-                    for message in self.errors:
-                        logger.write(message if message.startswith("step ") else f"step {self.step}: {message}")
-                    self.errors.clear()
-                    end_step(stop, self.checkpointer, self.step, self.save, final)
-            if self.checkpointer is not None:
-                self.checkpointer.wait()
-            if config.checkpoint.export_hf:
-                save_hf_checkpoint(self.model(), config.checkpoint.export_hf)
-                summary["hf_export"] = config.checkpoint.export_hf
-        finally:
-            logger.close()
-        rows = read_jsonl(logger.jsonl_path)
-        heldout = [row["heldout/reward"] for row in rows if row.get("heldout/reward") is not None]
-        if heldout:
-            summary.setdefault("heldout_start", heldout[0])
-            summary["heldout_end"] = heldout[-1]
-        if config.logging.plots:
-            summary["plots"] = plot_run(rows, os.path.join(config.output_dir, "plots"))
-        fit = fit_run_entropy_law(rows)
-        if fit is not None:
-            summary["entropy_law"] = {k: fit[k] for k in ("a", "b", "ceiling", "rmse")}
-        summary["metrics"] = logger.jsonl_path
-        return summary
+        """Trains to ``config.steps`` (``jaxrl.trainer.lifecycle.run_rl``); returns the summary."""
+        return run_rl(self)
 
     def close(self) -> None:
         if self.checkpointer is not None:

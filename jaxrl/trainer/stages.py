@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.losses import (ObjectiveConfig, batch_filter, kl_in_reward, mismatch_metrics,
-                          mismatch_metrics_by_rollout_prob)
+                          mismatch_metrics_by_rollout_prob, mismatch_metrics_by_turn)
 from jaxrl.losses.advantages import AdvantageConfig, sequence_advantages
 from jaxrl.models.scoring import LogprobScorer
 from jaxrl.rollout.base import LogprobKind, PushVerificationError
@@ -93,7 +93,8 @@ def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, byp
     update, and the mismatch between the recompute and the engine's logprobs, all from one
     jitted program and one transfer to the host; when the batch has the engine's routes,
     ``routing/disagreement`` and per MoE layer ``routing/disagreement_layer<i>`` (model layer i):
-    the fraction of positions whose learner top-k differs from the engine's, replayed or not.
+    the fraction of positions whose learner top-k differs from the engine's, replayed or not;
+    for conversations ``mismatch_turn/{first_turn,later_turns}_<stat>``.
     """
     metrics: dict[str, float] = {}
     routes = batch.routed_experts
@@ -107,6 +108,9 @@ def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, byp
         metrics.update(mismatch_names(statistics.pop("mismatch")))
         metrics.update(_bucketed(statistics.pop("buckets")))
         metrics.update(routing_names(scores.route_disagreement, moe_layers))
+        if batch.turn_ids is not None:  # conversations: the first model turn against the later ones
+            by_turn = jax.device_get(_mismatch_by_turn(scores.logp, batch.rollout_logp, batch.mask, batch.turn_ids))
+            metrics.update({f"mismatch_turn/{k}": float(v) for k, v in by_turn.items()})
     if reference is not None:
         reference_routes = routes if replay else None
         batch = batch.replace(ref_logp=scorer.score(reference, *batch.model_inputs(), routed_experts=reference_routes,
@@ -194,6 +198,7 @@ def batch_filter_stage(batch: StepBatch, objective: ObjectiveConfig) -> tuple[bo
 
 
 _kl_in_reward = jax.jit(kl_in_reward, static_argnames=("coef",))
+_mismatch_by_turn = jax.jit(mismatch_metrics_by_turn)
 _batch_filter = jax.jit(batch_filter, static_argnames=("threshold", "metric"))
 
 

@@ -1,0 +1,106 @@
+"""Multi-turn RL through the trainer (config section ``env``): conversations with an environment,
+the model's tokens alone in the loss, the engine's logprobs on them equal to the learner's
+recompute, the turn metrics, and exact resume.
+
+The environment is a user one plugged in by import path (``env.tasks.<task>.kind: python``):
+after each model turn it answers "+1=" and ends the conversation after three model turns, so
+every conversation has three model turns and two environment observations whatever the random
+model writes."""
+
+import jax
+import numpy as np
+
+from jaxrl.env import Environment, EnvLimits, StepResult
+from jaxrl.rollout.base import Conversation
+from jaxrl.trainer import stages
+from jaxrl.trainer.metrics import read_jsonl
+from jaxrl.trainer.rl import RLTrainer
+
+import test_loop
+from test_loop import _comparable, _run, make_config
+
+files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
+
+TURNS = 3
+
+
+class CountingEnvironment(Environment):
+    limits = EnvLimits(max_turns=TURNS, max_total_tokens=32)
+
+    def __init__(self, tokenizer, task):
+        self.tokenizer = tokenizer
+        self.observation = tokenizer.encode("+1=", add_special_tokens=False)
+
+    def reset(self, row):
+        return Conversation.from_prompt(self.tokenizer.encode(row["prompt"], add_special_tokens=False))
+
+    def step(self, conversation, model_turn):
+        if conversation.num_model_turns >= TURNS:
+            return StepResult(done=True, info={"finish": "answered"})
+        return StepResult(observation_ids=self.observation)
+
+
+def counting_environment(tokenizer, task):
+    return CountingEnvironment(tokenizer, task)
+
+
+ENV = {"task_field": "none", "default_task": "count",
+       "tasks": {"count": {"kind": "python", "environment": f"{__name__}:counting_environment"}}}
+
+
+def test_conversations_train_on_the_model_tokens_only(files, tmp_path, monkeypatch):
+    recorded = []
+    recompute = stages.recompute
+
+    def recording(batch, *args, **kwargs):
+        out = recompute(batch, *args, **kwargs)
+        recorded.append(out[0])
+        return out
+
+    monkeypatch.setattr(stages, "recompute", recording)
+    trainer = RLTrainer(make_config(files, tmp_path, steps=1, env=ENV))
+    taken = []
+    take = trainer.rollouts.take
+    trainer.rollouts.take = lambda index: taken.append(take(index)) or taken[-1]
+    try:
+        row = trainer.train_step_once()
+    finally:
+        trainer.close()
+    batch, samples = recorded[0], [s for group in taken[0].samples for s in group]
+    observation = trainer.envs.make({}).observation
+    for i, s in enumerate(samples):
+        conversation = s.episode.conversation
+        assert conversation.num_model_turns == TURNS
+        # Token by token: the loss mask is 1 exactly on the model's tokens (column t scores token t + 1).
+        tokens = conversation.token_ids
+        m = len(tokens) - 1
+        np.testing.assert_array_equal(np.asarray(batch.targets[i, :m]), tokens[1:])
+        np.testing.assert_array_equal(np.asarray(batch.mask[i, :m]), conversation.model_mask[1:].astype(np.float32))
+        assert not np.asarray(batch.mask[i, m:]).any()
+        np.testing.assert_array_equal(np.asarray(batch.turn_ids[i, :m]), conversation.turn_ids[1:])
+        # The environment's answers sit between the turns, outside the mask.
+        env_tokens = tokens[conversation.model_mask == 0][len(s.prompt_ids):]
+        assert env_tokens.tolist() == observation * (TURNS - 1)
+    # The engine's logprobs on every model token of every turn equal the learner's recompute (the
+    # float32 decode residual), and the later turns are measured apart from the first.
+    generated = np.asarray(batch.generated)
+    gap = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[generated]
+    assert gap.size == sum(int(s.output_mask.sum()) for s in samples) and gap.max() < 1e-4
+    assert row["mismatch_turn/later_turns_num_tokens"] > 0 and row["mismatch_turn/first_turn_num_tokens"] > 0
+    assert row["env/turns_per_conversation"] == TURNS and row["env/finished_answered"] == 1.0
+
+
+def test_multiturn_resume_reproduces_the_straight_run(files, tmp_path):
+    def config(name, steps):
+        out = tmp_path / name
+        return make_config(files, out, steps=steps, env=ENV,
+                           checkpoint={"every": 1, "keep": 2, "directory": str(out / "ck")})
+
+    _, straight = _run(config("a", 2))
+    _run(config("b", 1))
+    _, resumed = _run(config("b", 2), resume=True)
+    for a, b in zip(straight, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    rows = {name: _comparable(read_jsonl(str(tmp_path / name / "metrics.jsonl"))) for name in ("a", "b")}
+    assert rows["a"] == rows["b"]
+    assert jax.tree.leaves(straight)  # the run has parameters to compare
