@@ -168,7 +168,8 @@ def analyze_kl(out: str, spec: dict, records: list[dict]):
 
     root = os.path.join(out, "demo")
     policy = [r for r in records if r["cell"] == spec["gradient_policy"]][0]
-    config = run_config(root, spec, Cell(policy["cell"], {}, spec["kl"][policy["cell"]], None), 0, 1, os.path.join(out, "scratch"))
+    cell = Cell(policy["cell"], {}, spec["kl"][policy["cell"]], None)
+    config = run_config(root, spec, cell, 0, 1, os.path.join(out, "scratch"))
     examples, _ = load_examples(config.data.train_files, config.data, load_tokenizer(config.data.tokenizer))
     prompts = [e.prompt_ids.tolist() for e in examples[: spec["gradient_prompts"]]]
     seeds = 2 if spec.get("quick_run") else spec["gradient_seeds"]
