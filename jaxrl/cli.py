@@ -12,6 +12,7 @@ from jaxrl.errors import MissingExtraError
 # lazily keeps ``jaxrl --help`` fast and free of JAX start-up.
 COMMANDS = {
     "demo": ("jaxrl.demo", "main", "the main job: RL on a small model on this CPU"),
+    "experiment": ("jaxrl.experiments.registry", "main", "the papers' findings: jaxrl experiment NAME [--quick]"),
     "train": ("jaxrl.trainer.cli", "train_main", "RL training from a config: jaxrl train CONFIG [key=value ...]"),
     "sft": ("jaxrl.trainer.cli", "sft_main", "supervised fine-tuning from a config"),
     "align": ("jaxrl.align.cli", "main", "logprob-alignment checker: engine vs learner"),

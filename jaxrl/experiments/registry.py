@@ -1,0 +1,69 @@
+"""``jaxrl experiment NAME [--quick] [--steps N] [--out DIR]``: the three experiments, one declaration each.
+
+An experiment is its config (``configs/experiments/NAME.yaml`` over ``common.yaml``), the axes
+of its grid (keys of that config) and the analysis that turns its runs into claims and figures
+(docs/experiments.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from typing import Callable
+
+from jaxrl.experiments import analyses, kl, report, runner
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    name: str
+    title: str
+    axes: tuple[str, ...]
+    analyze: Callable  # (out, spec, records) -> (claims, figures)
+
+
+EXPERIMENTS = {e.name: e for e in (
+    Experiment("mismatch", "Mismatch collapse: engine-side mismatch x correction", ("injection", "correction"),
+               analyses.analyze_mismatch),
+    Experiment("entropy", "Entropy collapse: entropy controls and the entropy-reward law", ("control",),
+               analyses.analyze_entropy),
+    Experiment("kl", "KL estimators: k1, k2, k3 as losses and k1 in the reward", ("kl",), kl.analyze_kl),
+)}
+
+
+def run(name: str, out: str, *, quick: bool = False, steps: int | None = None, log=print) -> str:
+    """Runs experiment ``name``'s grid into ``out`` and writes its report; returns report.md's path."""
+    experiment = EXPERIMENTS[name]
+    spec = runner.load_spec(name)
+    spec["quick_run"] = quick
+    start = time.perf_counter()
+    _, records = runner.run_grid(spec, experiment.axes, out, quick=quick, steps=steps, log=log)
+    claims, figures = experiment.analyze(out, spec, records)
+    seeds = len(spec["seeds"][:1] if quick else spec["seeds"])
+    elapsed = time.perf_counter() - start
+    scale = (f"{'QUICK RUN: ' if quick else ''}{seeds} seed(s) per cell, {records[0]['steps']} steps per run, "
+             f"{len(records)} runs; measured {elapsed:.0f} s in all on this machine "
+             f"({elapsed / max(len(records), 1):.0f} s per run including the shared SFT warm-up).")
+    footer = spec.get("report_extra", "") + f"\n\nCommand: `jaxrl experiment {name}{' --quick' if quick else ''}" \
+        f"{f' --steps {steps}' if steps else ''}`; thresholds: configs/experiments/{name}.yaml."
+    path = report.write_report(out, experiment.title, scale, report.reward_table(records), claims, figures, footer)
+    log(f"[experiment] {name}: report {path} ({elapsed:.0f} s)")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxrl experiment", description=__doc__.split("\n")[0])
+    parser.add_argument("name", choices=sorted(EXPERIMENTS))
+    parser.add_argument("--quick", action="store_true", help="one seed and the config's quick subset of cells")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
+    parser.add_argument("--out", default=None, help="output folder (default runs/experiments/NAME)")
+    args = parser.parse_args(argv)
+    run(args.name, args.out or os.path.join("runs", "experiments", args.name), quick=args.quick, steps=args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
