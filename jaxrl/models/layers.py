@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 from jaxrl.models import context_parallel
 from jaxrl.models.attention import attention
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.sharding import constrain, logical_to_spec
+from jaxrl.models.sharding import constrain, logical_to_spec, target_platform
 
 F32 = jnp.float32
 INIT_STD = 0.02  # transformers' initializer_range for Qwen3
@@ -208,8 +208,9 @@ class MLP(nnx.Module):
 
 def ragged_dot_is_sparse() -> bool:
     """Whether this backend runs `jax.lax.ragged_dot` as a grouped matmul. XLA:CPU rewrites it
-    into a dense dot over all groups (E times the FLOPs: measured in bench/moe_flops.py)."""
-    return jax.default_backend() != "cpu"
+    into a dense dot over all groups (E times the FLOPs: measured in bench/moe_flops.py). The
+    platform is the program's target (the mesh's devices), not necessarily this process's."""
+    return target_platform() != "cpu"
 
 
 class GroupedMatmul:

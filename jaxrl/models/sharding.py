@@ -72,6 +72,15 @@ def logical_to_spec(logical_axes, shape=None, mesh=None) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
+def target_platform() -> str:
+    """The platform the program being traced is built for: the current mesh's devices (TPUs described
+    by a topology while this process runs on CPU, for ahead-of-time compilation: ``jaxrl compile``),
+    else JAX's default backend. Backend-dependent choices (the "auto" attention kernel, sparse
+    ``ragged_dot``) read this, so a compiled TPU program is the one a TPU would run."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def constrain(x: jax.Array, logical_axes) -> jax.Array:
     """Sharding hint for an activation under the current mesh (`jax.set_mesh`); a no-op without one."""
     mesh = jax.sharding.get_abstract_mesh()
