@@ -12,6 +12,7 @@ COMMANDS = {
     "train": ("jaxrl.trainer.cli", "train_main", "RL training from a config: jaxrl train CONFIG [key=value ...]"),
     "sft": ("jaxrl.trainer.cli", "sft_main", "supervised fine-tuning from a config"),
     "align": ("jaxrl.align.cli", "main", "logprob-alignment checker: engine vs learner"),
+    "compile": ("jaxrl.compile.cli", "main", "compile a config's programs for a TPU topology (no TPU needed)"),
 }
 
 

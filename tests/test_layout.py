@@ -19,7 +19,7 @@ LAYERS = {
     "jaxrl.rollout": 3,
     "jaxrl.align": 4,
     "jaxrl.trainer": 5,
-    "jaxrl.demo": 6, "jaxrl.cli": 6,
+    "jaxrl.demo": 6, "jaxrl.cli": 6, "jaxrl.compile": 6,
 }
 MAX_LINES = 450
 
