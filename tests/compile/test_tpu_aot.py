@@ -26,14 +26,16 @@ ARCHITECTURE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_
 MOE = dict(ARCHITECTURE, mlp_types=["moe", "moe"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 
 
-def _config(tmp_path, architecture, mesh, **sections) -> str:
+def _config(tmp_path, architecture, mesh, evaluate: bool = False, **sections) -> str:
+    """An RL config over ``architecture`` (random init: nothing is read); ``evaluate`` adds held-out
+    files, so the eval sampler's program compiles too."""
     config = {
         "output_dir": str(tmp_path / "run"), "steps": 10,
         "model": {"architecture": architecture, "dtype": "bfloat16", "remat": "save_dots",
                   "attention_impl": "splash", "attention_block_size": 128},
         "mesh": mesh,
-        "data": {"tokenizer": "unused", "train_files": ["unused.jsonl"], "eval_files": ["unused.jsonl"],
-                 "max_prompt_tokens": 64},
+        "data": {"tokenizer": "unused", "train_files": ["unused.jsonl"],
+                 "eval_files": ["unused.jsonl"] if evaluate else [], "max_prompt_tokens": 64},
         "reward": {"tasks": {"math": {"kind": "math"}}, "default_task": "math"},
         "rollout": {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 192},
         "update": {"mini_batches": 2, "micro_batches": 2},
@@ -60,8 +62,8 @@ def _programs(report: dict) -> dict:
 
 
 def test_dense_model_compiles_for_v5e_over_fsdp_and_tensor(tmp_path):
-    config = _config(tmp_path, ARCHITECTURE, {"fsdp": 2, "tensor": 2}, objective={"kl_kind": "k3-as-loss",
-                                                                                  "kl_coef": 0.01})
+    config = _config(tmp_path, ARCHITECTURE, {"fsdp": 2, "tensor": 2}, evaluate=True,
+                     objective={"kl_kind": "k3-as-loss", "kl_coef": 0.01})
     done, report = _compile(config, "v5e:2x2", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     programs = _programs(report)
