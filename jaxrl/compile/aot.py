@@ -31,6 +31,7 @@ from jaxrl.rollout.sampler import JaxSampler
 from jaxrl.trainer import stages
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
 from jaxrl.trainer.config import TrainConfig
+from jaxrl.trainer.rl import sampler_batch
 from jaxrl.trainer.update import abstract_train_state, build_optimizer, build_train_step, rl_loss_fn
 
 
@@ -133,7 +134,7 @@ def step_shapes(config: TrainConfig, mesh) -> dict[str, int]:
     return {"length": sequence_row_length(config.data.max_prompt_tokens + r.max_new_tokens - 1, mesh),
             "sequences": sequences, "update_rows": sequences // u.mini_batches,
             "score_rows": sequences // (u.mini_batches * u.micro_batches),
-            "max_batch": max(sequences, config.eval.max_prompts * config.eval.samples)}
+            "max_batch": sampler_batch(config)}
 
 
 def abstract_update_batch(rows: int, length: int, *, reference: bool) -> UpdateBatch:
@@ -208,19 +209,23 @@ def _sampler_programs(config, c: ModelConfig, graphdef, state, mesh, shapes, par
     evaluation when the config has one (other batch and prompt counts: another program)."""
     r = config.rollout
     sampler = JaxSampler(nnx.merge(graphdef, state["params"]), mesh=mesh, max_batch=shapes["max_batch"])
-    calls = [("sampler", r.prompts_per_step * r.group_size, r.prompts_per_step)]
+    calls = [("sampler", r.prompts_per_step, r.group_size)]
     if config.data.eval_files:
-        calls.append(("eval_sampler", config.eval.max_prompts * config.eval.samples, config.eval.max_prompts))
+        calls.append(("eval_sampler", config.eval.max_prompts, config.eval.samples))
     programs = []
-    for name, sequences, distinct in calls:
+    for name, prompts, samples in calls:
+        # The largest call: max_batch of the prompt-major jobs, which may straddle one more prompt.
+        sequences = min(prompts * samples, sampler.max_batch)
+        distinct = min(prompts, -(-sequences // samples) + (1 if sequences % samples else 0))
         rows, prompt_rows, prompt_bucket, _, _ = sampler._shapes(
-            min(sequences, sampler.max_batch), distinct, config.data.max_prompt_tokens, r.max_new_tokens)
+            sequences, distinct, config.data.max_prompt_tokens, r.max_new_tokens)
         n, steps = matmul_params(c), r.max_new_tokens
         prefill = 2.0 * n * prompt_rows * prompt_bucket + attention_flops(c, prompt_rows, prompt_bucket)
         # Each decode step attends over the prompt and the tokens so far: ~ (P + steps / 2) keys on average.
         decode = steps * rows * (2.0 * n + 2 * attention_flops(c, 1, 1) * (prompt_bucket + steps / 2))
         programs.append(Program(
-            name, f"prefill {prompt_rows} prompts x {prompt_bucket} + decode loop {rows} rows x {steps} tokens",
+            name, f"one call: prefill {prompt_rows} prompts x {prompt_bucket} + decode loop {rows} rows x {steps} "
+            "tokens",
             lambda s=sequences, d=distinct: sampler.lower(s, d, config.data.max_prompt_tokens, r.max_new_tokens),
             model_flops=prefill + decode, min_hbm_bytes=float(steps) * param_bytes, resident_bytes=resident))
     return programs

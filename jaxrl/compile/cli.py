@@ -34,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model-config", default="",
                         help="a preset (qwen3-8b, qwen3-30b-a3b) or a config.json; default: model.hf_path's "
                              "config.json, else the preset named after its last folder")
+    parser.add_argument("--only", default="", help="compile only these programs (comma-separated names: "
+                        "train_step, old_logprob_scorer, reference_scorer, sampler, eval_sampler)")
     parser.add_argument("--json", default="", help="also write the report here")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
 
@@ -56,6 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         devices = aot.topology_devices(args.topology, args.slices)
         target = report.target_for(args.topology, devices)
         programs, mesh = aot.rl_step_programs(config, model_config, devices)
+        if args.only:
+            wanted = set(args.only.split(","))
+            if wanted - {p.name for p in programs}:
+                raise InputError(f"--only {args.only!r}: this config's programs are {[p.name for p in programs]}")
+            programs = [p for p in programs if p.name in wanted]
     except (ConfigError, InputError, ValueError, OSError) as e:
         print(f"jaxrl compile: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
