@@ -112,15 +112,15 @@ def refusals(results: list[Compiled], target: Target) -> list[str]:
 def table(results: list[Compiled], target: Target) -> str:
     """The per-device table (GiB; TFLOP; ms), one row per program."""
     head = (f"{'program':<19}{'args':>8}{'out':>8}{'temp':>8}{'held':>7}{'total':>8}{'HBM':>7}{'fits':>6}"
-            f"{'XLA TFLOP':>11}{'kernel':>8}{'model':>8}{'roofline ms':>13}{'compile s':>11}")
+            f"{'XLA TFLOP':>11}{'kernel':>10}{'model':>10}{'roofline ms':>13}{'compile s':>11}")
     lines = [head]
     for r in results:
         p = r.program
         lines.append(
             f"{p.name:<19}{r.argument_bytes / GIB:>8.2f}{(r.output_bytes - r.alias_bytes) / GIB:>8.2f}"
             f"{r.temp_bytes / GIB:>8.2f}{p.resident_bytes / GIB:>7.2f}{r.total_bytes / GIB:>8.2f}"
-            f"{target.hbm_bytes / GIB:>7.1f}{'yes' if fits(r, target) else 'NO':>6}{r.xla_flops / 1e12:>11.3f}"
-            f"{p.kernel_flops / target.devices / 1e12:>8.3f}{p.model_flops / target.devices / 1e12:>8.3f}"
+            f"{target.hbm_bytes / GIB:>7.1f}{'yes' if fits(r, target) else 'NO':>6}{r.xla_flops / 1e12:>11.1f}"
+            f"{p.kernel_flops / target.devices / 1e12:>10.1f}{p.model_flops / target.devices / 1e12:>10.1f}"
             f"{roofline_seconds(r, target) * 1e3:>13.1f}{r.compile_seconds:>11.1f}")
     return "\n".join(lines)
 
