@@ -70,8 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{target.devices} x {devices[0].device_kind}, mesh {dict(mesh.shape)}; model from {source}", flush=True)
     print(f"HBM per device {target.hbm_bytes / report.GIB:.2f} GiB from {target.hbm_source}", flush=True)
     start = time.perf_counter()
+    # A line as each program is done: a large model's programs take minutes each to compile.
     results = aot.compile_programs(programs, on_done=lambda r: print(
-        f"  compiled {r.program.name} in {r.compile_seconds:.1f} s: {r.program.what}", flush=True))
+        f"  {'refused' if r.refused else 'compiled'} {r.program.name} in {r.compile_seconds:.1f} s: "
+        f"{r.total_bytes / report.GIB:.2f} GiB per device; {r.program.what}", flush=True))
     print(report.table(results, target))
     for note in report.NOTES:
         print(f"  {note}")
