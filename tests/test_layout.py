@@ -19,7 +19,7 @@ LAYERS = {
     "jaxrl.rollout": 3,
     "jaxrl.align": 4, "jaxrl.evaluation": 4, "jaxrl.env": 4,
     "jaxrl.trainer": 5,
-    "jaxrl.demo": 6, "jaxrl.cli": 6,
+    "jaxrl.demo": 6, "jaxrl.cli": 6, "jaxrl.compile": 6,
     "jaxrl.experiments": 7,  # drives the trainer on the demo's data and warm-up (jaxrl.demo)
 }
 MAX_LINES = 450

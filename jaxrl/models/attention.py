@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.config import ATTENTION_IMPL_NAMES
+from jaxrl.models.sharding import target_platform
 from jaxrl.models.splash import splash_attention
 
 F32 = jnp.float32
@@ -267,22 +268,23 @@ ATTENTION_IMPLS: dict[str, AttentionFn] = {
 # KV cache (fewer queries than keys: decoding, a prefill into a longer cache) runs DECODE_IMPL instead.
 FULL_FORWARD_ONLY = frozenset({"splash"})
 DECODE_IMPL = "chunked"
-# What "auto" means per `jax.default_backend()`; a backend not listed gets AUTO_DEFAULT.
+# What "auto" means per target platform (`sharding.target_platform`); a platform not listed gets AUTO_DEFAULT.
 AUTO_IMPLS: dict[str, str] = {"tpu": "splash"}
 AUTO_DEFAULT = "chunked"
 
 
 def resolve_attention_impl(name: str, backend: str | None = None, *, length: int | None = None,
                            block_size: int | None = None) -> str:
-    """The implementation `name` runs on `backend` (default: jax's): "auto" -> AUTO_IMPLS / AUTO_DEFAULT,
-    except that attention whose queries and keys fit in one block (`length <= block_size`) runs the
-    xla einsum: a single block saves no memory, and short sequences keep the reference numerics."""
+    """The implementation `name` runs on `backend` (default: the mesh's platform, else jax's): "auto" ->
+    AUTO_IMPLS / AUTO_DEFAULT, except that attention whose queries and keys fit in one block
+    (`length <= block_size`) runs the xla einsum: a single block saves no memory, and short sequences
+    keep the reference numerics."""
     if name not in ATTENTION_IMPL_NAMES:
         raise ValueError(f"attention_impl = {name!r}; choose one of {list(ATTENTION_IMPL_NAMES)}")
     if name == "auto":
         if length is not None and block_size is not None and length <= block_size:
             return "xla"
-        return AUTO_IMPLS.get(backend or jax.default_backend(), AUTO_DEFAULT)
+        return AUTO_IMPLS.get(backend or target_platform(), AUTO_DEFAULT)
     return name
 
 

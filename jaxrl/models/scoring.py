@@ -111,6 +111,20 @@ class LogprobScorer:
         disagreement = None if not compared else (differ / compared).astype(np.float32)
         return Scores(np.concatenate(logps), np.concatenate(entropies), disagreement)
 
+    def lower(self, params, rows: int, length: int):
+        """``jax.jit(...).lower`` of the program one call runs on ``rows`` unpacked sequences of ``length``
+        columns, with ``params`` real or abstract (ShapeDtypeStructs with shardings): ahead-of-time
+        compilation for the mesh's devices (``jaxrl compile``)."""
+        inputs = (jax.ShapeDtypeStruct((rows, length), jnp.int32),) * 4
+        if self.mesh is None:
+            return _score.lower(self.graphdef, params, *inputs, None, chunk_size=self.chunk_size, replicate=False,
+                                replay=False)
+        inputs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                       for x, s in zip(inputs, batch_shardings(inputs, self.mesh), strict=True))
+        with jax.set_mesh(self.mesh):
+            return _score.lower(self.graphdef, params, *inputs, None, chunk_size=self.chunk_size, replicate=True,
+                                replay=False)
+
     def _score(self, params, inputs: tuple[np.ndarray, ...], routes, replay: bool):
         if self.mesh is None:
             return _score(self.graphdef, params, *inputs, routes, chunk_size=self.chunk_size, replicate=False,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxrl.models.sharding import logical_to_spec, spec_axes
+from jaxrl.models.sharding import logical_to_spec, spec_axes, target_platform
 
 BLOCK_MULTIPLE = 128  # TPU kernel blocks are multiples of the 128-lane width
 PAD_SEGMENT = -1
@@ -38,13 +38,6 @@ def _kernel(groups: int, length: int, block: int, interpret: bool):
                                   block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     return kernel_lib.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret), \
         kernel_lib.SegmentIds
-
-
-def _platform() -> str:
-    """The platform the program is built for: the current mesh's devices (which may be TPUs described by a
-    topology while this process runs on CPU, for ahead-of-time compilation), else JAX's default backend."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return device.platform if device is not None else jax.default_backend()
 
 
 def _local(q, k, v, q_segment_ids, kv_segment_ids, *, scale, dtype, block_size, interpret):
@@ -81,7 +74,7 @@ def splash_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *,
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"attention_impl = 'splash' runs the full forward only ({q.shape[1]} queries, "
                          f"{k.shape[1]} keys); decoding with a cache runs 'chunked' or 'xla'")
-    platform = _platform()
+    platform = target_platform()
     if not interpret and platform != "tpu":
         raise ValueError(f"attention_impl = 'splash' is the TPU Pallas kernel; this backend is "
                          f"{platform!r}: choose 'auto', 'chunked' or 'xla'")

@@ -41,6 +41,9 @@ class RolloutConfig:
     max_staleness: how many updates the weights of a batch may lag the learner's; 0 is the
     synchronous loop, >= 1 generates the next batches in the background while the learner
     updates (docs/training.md#asynchronous-rollouts).
+    max_batch: the most sequences the embedded sampler decodes in one call (its KV cache holds that
+    many rows; a step's batch runs in as many calls as it needs); 0 = the whole step's batch (or the
+    held-out evaluation's, when larger) in one call. ``jaxrl compile`` (docs/tpu.md) shows what fits.
     dynamic_sampling: drop prompt groups whose rewards do not vary and draw more prompts until
     the batch is full, at most ``max_extra_draws`` extra draws per step (DAPO;
     docs/training.md#dynamic-sampling).
@@ -57,6 +60,7 @@ class RolloutConfig:
     verify_push: bool = True
     push_tolerance: float = 1e-3
     max_staleness: int = 0
+    max_batch: int = 0
     dynamic_sampling: bool = False
     max_extra_draws: int = 4
     sglang: SGLangConfig | None = None
@@ -71,6 +75,8 @@ class RolloutConfig:
             )
         # SamplingParams checks the same, but only after the model loaded and the first rollout began.
         check_sampling_ranges("rollout", self)
+        if self.max_batch < 0:
+            raise ValueError(f"rollout.max_batch must be >= 0 (0 = the whole batch at once), got {self.max_batch}")
         if self.max_staleness < 0:
             raise ValueError(f"rollout.max_staleness must be >= 0 (0 = synchronous), got {self.max_staleness}")
         if self.max_extra_draws < 0:

@@ -328,19 +328,45 @@ class JaxSampler(RolloutEngine):
                 results[i][j] = sample
         return results  # type: ignore[return-value]
 
-    def _run(self, prompts: list[np.ndarray], ids: list[tuple[int, int]], params: SamplingParams) -> list[Sample]:
-        rows = _bucket(len(prompts), 1)
-        longest = max(p.size for p in prompts)
+    def _shapes(self, sequences: int, distinct: int, longest: int, max_new_tokens: int) -> tuple[int, ...]:
+        """The static shapes of one call: (rows, distinct-prompt rows, prompt bucket, new-token bucket,
+        cache rows) for ``sequences`` sequences of ``distinct`` prompts, the longest of ``longest`` tokens."""
         # Decode writes cache rows prompt_bucket .. prompt_bucket + max_new_tokens - 1: shrink the
         # bucket when a power of two would run past the cache (the prompt check keeps it >= longest).
-        prompt_bucket = min(_bucket(longest, self.min_prompt_bucket), self.max_cache_len - params.max_new_tokens)
-        new_bucket = _bucket(params.max_new_tokens, 1)
+        prompt_bucket = min(_bucket(longest, self.min_prompt_bucket), self.max_cache_len - max_new_tokens)
+        new_bucket = _bucket(max_new_tokens, 1)
         cache_len = min(prompt_bucket + new_bucket, self.max_cache_len)
+        return _bucket(sequences, 1), _bucket(distinct, 1), prompt_bucket, new_bucket, cache_len
+
+    def lower(self, sequences: int, distinct: int, longest: int, max_new_tokens: int):
+        """``jax.jit(...).lower`` of the prefill + decode program one call runs (the shapes of ``_shapes``)
+        over the sampler's weights, real or abstract (ShapeDtypeStructs with shardings): ahead-of-time
+        compilation for the mesh's devices (``jaxrl compile``)."""
+        rows, prompt_rows, prompt_bucket, new_bucket, cache_len = self._shapes(
+            min(sequences, self.max_batch), distinct, longest, max_new_tokens)
+        args = (jax.ShapeDtypeStruct((prompt_rows, prompt_bucket), jnp.int32),
+                jax.ShapeDtypeStruct((prompt_rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+                jax.ShapeDtypeStruct((rows, 2), jnp.uint32))
+        if self.mesh is not None:
+            args = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                         for x, s in zip(args, batch_shardings(args, self.mesh), strict=True))
+        scalars = (np.float32(1.0), np.int32(0), np.float32(1.0), np.full(MAX_STOP_IDS, -1, np.int32),
+                   np.int32(max_new_tokens))
+        lower = lambda: _generate_jit.lower(self._graphdef, self._state, *args, *scalars,
+                                            new_token_bucket=new_bucket, cache_len=cache_len)
+        if self.mesh is None:
+            return lower()
+        with jax.set_mesh(self.mesh):
+            return lower()
+
+    def _run(self, prompts: list[np.ndarray], ids: list[tuple[int, int]], params: SamplingParams) -> list[Sample]:
         # One prefill per distinct prompt (a GRPO group's samples share theirs).
         distinct = {i: None for i, _ in ids}
+        rows, prompt_rows, prompt_bucket, new_bucket, cache_len = self._shapes(
+            len(prompts), len(distinct), max(p.size for p in prompts), params.max_new_tokens)
         index = {i: u for u, i in enumerate(distinct)}
         first_row = {i: r for r, (i, _) in reversed(list(enumerate(ids)))}
-        prompt_ids = np.zeros((_bucket(len(distinct), 1), prompt_bucket), np.int32)
+        prompt_ids = np.zeros((prompt_rows, prompt_bucket), np.int32)
         prompt_lengths = np.zeros(len(prompt_ids), np.int32)
         for i, u in index.items():
             p = prompts[first_row[i]]

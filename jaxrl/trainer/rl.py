@@ -137,8 +137,7 @@ class RLTrainer:
         self.manager = None
         self._owns_engine = engine is None  # an engine handed in is the caller's to close
         if engine is None:
-            max_batch = max(sequences, config.eval.max_prompts * config.eval.samples)
-            engine, self.manager = make_engine(config.rollout, self.model(), self.mesh, max_batch)
+            engine, self.manager = make_engine(config.rollout, self.model(), self.mesh, sampler_batch(config))
         self.engine = engine
         # An engine that holds the learner's arrays by reference generating beside the update
         # needs its own copy: the train step donates (deletes) the arrays it updates.
@@ -409,6 +408,13 @@ class RLTrainer:
             self.engine.close()
         if self.manager is not None:
             self.manager.stop()
+
+
+def sampler_batch(config: TrainConfig) -> int:
+    """The most sequences the embedded sampler decodes at once: ``rollout.max_batch``, or (0) a step's
+    whole batch or the held-out evaluation's, whichever is larger."""
+    r = config.rollout
+    return r.max_batch or max(r.prompts_per_step * r.group_size, config.eval.max_prompts * config.eval.samples)
 
 
 def _copy(tree):

@@ -1,0 +1,93 @@
+"""``jaxrl compile CONFIG --topology NAME [key=value ...]``: compile one RL step's programs for a TPU topology.
+
+Run with .venv-tpu's interpreter (``bash scripts/setup_tpu_aot.sh``; docs/tpu.md). Exit status: 0 every
+program fits the device's HBM; 1 one does not (a line per program naming the bytes, the HBM and the
+config keys that would help); 2 bad input (config, topology, model shapes) or no libtpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+from typing import Sequence
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process runs on CPU; the programs are for the topology's TPUs
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no TPU VM metadata server to ask for worker hostnames
+# libtpu locks /tmp/libtpu_lockfile to keep a TPU to one process; nothing runs on a TPU here, so several
+# compiles (a test beside a bench) may share the machine.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="jaxrl compile", description="Compile one RL step's programs ahead of time for a TPU topology "
+        "(no TPU needed) and report per-device memory, FLOPs and a roofline.",
+        epilog="Overrides use the config's dotted keys, e.g. mesh.data=2 update.micro_batches=16.")
+    parser.add_argument("config", help="a YAML or JSON RL config (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="optional key=value overrides")
+    parser.add_argument("--topology", required=True, help="a TPU topology as JAX names it: v5p:4x4x2, v5e:2x2, ...")
+    parser.add_argument("--slices", type=int, default=1, help="slices of that topology (multi-slice over DCN)")
+    parser.add_argument("--model-config", default="",
+                        help="a preset (qwen3-8b, qwen3-30b-a3b) or a config.json; default: model.hf_path's "
+                             "config.json, else the preset named after its last folder")
+    parser.add_argument("--only", default="", help="compile only these programs (comma-separated names: "
+                        "train_step, old_logprob_scorer, reference_scorer, sampler, eval_sampler)")
+    parser.add_argument("--json", default="", help="also write the report here")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    from jaxrl.compile import aot, report
+    from jaxrl.compile.presets import hf_config_for
+    from jaxrl.config import ConfigError, load_config
+    from jaxrl.errors import InputError
+    from jaxrl.models import ModelConfig
+    from jaxrl.trainer.config import TrainConfig
+
+    logging.getLogger("jax").setLevel(logging.ERROR)
+    try:
+        config = load_config(TrainConfig, args.config, args.overrides)
+        policy = config.model
+        if policy.architecture is not None and not args.model_config:
+            model_config, source = policy.architecture.replace(**policy.overrides()), "model.architecture"
+        else:
+            hf_config, source = hf_config_for(policy.hf_path, args.model_config)
+            model_config = ModelConfig.from_hf(hf_config, **policy.overrides())
+        devices = aot.topology_devices(args.topology, args.slices)
+        target = report.target_for(args.topology, devices)
+        programs, mesh = aot.rl_step_programs(config, model_config, devices)
+        if args.only:
+            wanted = set(args.only.split(","))
+            if wanted - {p.name for p in programs}:
+                raise InputError(f"--only {args.only!r}: this config's programs are {[p.name for p in programs]}")
+            programs = [p for p in programs if p.name in wanted]
+    except (ConfigError, InputError, ValueError, OSError) as e:
+        print(f"jaxrl compile: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"{args.config} on {args.topology}{f' x {args.slices} slices' if args.slices > 1 else ''}: "
+          f"{target.devices} x {devices[0].device_kind}, mesh {dict(mesh.shape)}; model from {source}", flush=True)
+    print(f"HBM per device {target.hbm_bytes / report.GIB:.2f} GiB from {target.hbm_source}", flush=True)
+    start = time.perf_counter()
+    # A line as each program is done: a large model's programs take minutes each to compile.
+    results = aot.compile_programs(programs, on_done=lambda r: print(
+        f"  {'refused' if r.refused else 'compiled'} {r.program.name} in {r.compile_seconds:.1f} s: "
+        f"{r.total_bytes / report.GIB:.2f} GiB per device; {r.program.what}", flush=True))
+    print(report.table(results, target))
+    for note in report.NOTES:
+        print(f"  {note}")
+    refused = report.refusals(results, target)
+    for line in refused:
+        print(f"jaxrl compile: does not fit: {line}", file=sys.stderr)
+    if args.json:
+        report.write_json(args.json, report.as_json(args.config, source, target, results,
+                                                    dataclasses.asdict(config.mesh)))
+    worst = min(target.hbm_bytes - r.total_bytes for r in results)
+    print(f"{'fits' if not refused else 'does not fit'}: smallest headroom {worst / report.GIB:.2f} GiB per device; "
+          f"{len(results)} programs compiled in {time.perf_counter() - start:.1f} s")
+    return 1 if refused else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
