@@ -210,11 +210,12 @@ class UpdateBatch:
         """The learner's ``(logp, entropy, DecoderOutput)`` of the mini-batch's targets, per sample
         [N, T] float32 whether or not the forward ran on packed rows; the routes it carries (routing
         replay) are replayed."""
+        rows = self.tokens if self.packed is None else self.packed
+        # Routes only when there are some: a policy without routers need not take the argument.
+        replay = {} if rows.routed_experts is None else {"routed_experts": rows.routed_experts}
+        logp, entropy, out = model.token_logprobs(*rows.model_inputs(), chunk_size=chunk_size, **replay)
         if self.packed is None:
-            return model.token_logprobs(*self.tokens.model_inputs(), chunk_size=chunk_size,
-                                        routed_experts=self.tokens.routed_experts)
-        logp, entropy, out = model.token_logprobs(*self.packed.model_inputs(), chunk_size=chunk_size,
-                                                  routed_experts=self.packed.routed_experts)
+            return logp, entropy, out
         return self.packed.unpack(logp), self.packed.unpack(entropy), out
 
 
