@@ -38,7 +38,7 @@ import time
 from typing import Any, Literal, Mapping
 
 from jaxrl.env.tools import ToolResult
-from jaxrl.reward.sandbox import check_seconds
+from jaxrl.reward.sandbox import check_seconds, kill_process_group
 
 # Runs in the child before the model's code: the limits first, then main.py from the working directory.
 _BOOT = (
@@ -126,17 +126,6 @@ def _read_cut(path: str, limit: int) -> str:
     return text
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # uninterruptible sleep (D state); nothing more to do
-        pass
-
-
 def execute_python(code: str, config: PythonToolConfig = PythonToolConfig()) -> Execution:
     """Runs ``code`` under ``config``'s limits (module doc) and returns its output; never raises
     for anything the code does (RuntimeError only when network isolation is required and absent)."""
@@ -168,7 +157,7 @@ def execute_python(code: str, config: PythonToolConfig = PythonToolConfig()) -> 
             except subprocess.TimeoutExpired:
                 timed_out = True
             # Always: the code's own subprocesses die with it, even when it exited normally.
-            _kill_group(proc)
+            kill_process_group(proc)
         status = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         return Execution(
             stdout=_read_cut(stdout_path, config.max_output_chars),

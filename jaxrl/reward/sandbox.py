@@ -187,17 +187,23 @@ class _Worker:
         self._finalizer()
 
 
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to ``proc``'s process group (started with ``start_new_session``; the process alone
+    when the group is gone or not ours), then reaps it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # uninterruptible sleep (D state); nothing more to do
+        pass
+
+
 def _kill(proc: subprocess.Popen, conn: Connection) -> None:
     """Kills the worker and its process group, reaps it, closes the pipe (also the finalizer at exit)."""
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            proc.kill()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # uninterruptible sleep (D state); nothing more to do
-            pass
+        kill_process_group(proc)
     conn.close()
 
 
