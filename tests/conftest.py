@@ -14,10 +14,12 @@ header); a test that uses it runs with ``JAXRL_SGLANG_API_KEY`` set to that key,
 ``jaxrl align run --server-url`` against a keyed fleet would. ``sglang_moe`` has no key.
 """
 import concurrent.futures
+import gc
 import os
 import secrets
 import shutil
 import socket
+import sys
 import tempfile
 
 import pytest
@@ -25,15 +27,36 @@ import pytest
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, shared with the subprocesses tests start (a
-# resumed run, the CLI): the tiny trainers of many tests compile the same programs again.
-_XLA_CACHE = tempfile.mkdtemp(prefix="jaxrl-tests-xla-cache-")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
+# resumed run, the CLI) and with the xdist workers (they inherit this environment): the tiny
+# trainers of many tests compile the same programs again. Made here only when nobody set one, and
+# then removed by the process that made it.
+_XLA_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl-tests-xla-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+    if _XLA_CACHE is not None:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program at the end of each test module.
+
+    XLA:CPU maps each executable's code into the process (about 3.5 memory mappings a program),
+    and JAX's jit caches keep them alive. The whole suite runs in one process and compiles
+    thousands of programs: measured, 42,600 mappings by the critic tests, and the process died
+    (SIGSEGV in CI, SIGABRT here) inside test_objective_options once it reached the kernel's
+    vm.max_map_count of 65,530. Clearing after each module keeps the count to one module's
+    programs; modules rarely share a program, and the persistent cache above still serves repeats.
+    """
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+        gc.collect()
 
 
 def _free_base_port(count: int, first: int = 31200) -> int:
@@ -96,10 +119,51 @@ _FLEETS = {"sglang_dense": (_dense_config, 1, secrets.token_urlsafe(16)), "sglan
 _FLEETS_USED = pytest.StashKey[set]()
 
 
-@pytest.hookimpl(trylast=True)  # after -k / -m deselection: count only the tests that will run
+@pytest.hookimpl(tryfirst=True)  # before xdist's loadgroup reads the marks
 def pytest_collection_modifyitems(config, items):
-    config.stash[_FLEETS_USED] = {name for item in items for name in getattr(item, "fixturenames", ())
-                                  if name in _FLEETS}
+    """Groups for ``pytest -n N --dist loadgroup`` (scripts/test.sh). Every test that uses an
+    SGLang server (a fleet fixture or the ``sglang`` mark) runs on one worker, so the fleets start
+    once and no two SGLang servers compete for the cores; the other tests of a module with a
+    costly module-scoped fixture run together on one worker, so it is built once; any other test
+    is a unit of its own, so the workers finish together (the longest test is about a minute)."""
+    shared_modules = {item.module.__name__ for item in items if _shares_fixtures(item)}
+    for item in items:
+        module = item.module.__name__
+        group = "sglang" if _uses_sglang(item) else module if module in shared_modules else item.nodeid
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _uses_sglang(item) -> bool:
+    return item.get_closest_marker("sglang") is not None or bool(set(getattr(item, "fixturenames", ())) & set(_FLEETS))
+
+
+# Module-scoped fixtures that take a second or less to build (small files, a character tokenizer,
+# a few arrays, a tiny random checkpoint): a module that shares only these may be split across the workers. Any
+# other module-scoped fixture (a trained run, a compiled reference) keeps its module on one worker.
+_CHEAP_SHARED_FIXTURES = {"_release_compiled_programs", "files", "two_task_files", "tokenizer", "batch", "head_inputs",
+                          "moe_checkpoint"}
+
+
+def _shares_fixtures(item) -> bool:
+    """Whether the test uses a costly fixture built once for its module (or class or package)."""
+    definitions = getattr(item, "_fixtureinfo", None)
+    return definitions is not None and any(
+        fixture.scope in ("module", "class", "package") and fixture.argname not in _CHEAP_SHARED_FIXTURES
+        for fixtures in definitions.name2fixturedefs.values() for fixture in fixtures)
+
+
+class _FleetsUsed:
+    """Records the fleets the selected tests use (a plugin object: this module's own
+    ``pytest_collection_modifyitems`` must run first, this one last)."""
+
+    @pytest.hookimpl(trylast=True)  # after -k / -m deselection: count only the tests that will run
+    def pytest_collection_modifyitems(self, config, items):
+        config.stash[_FLEETS_USED] = {name for item in items for name in getattr(item, "fixturenames", ())
+                                      if name in _FLEETS}
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_FleetsUsed(), "jaxrl-fleets-used")
 
 
 @pytest.fixture(scope="session")
