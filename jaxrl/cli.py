@@ -6,7 +6,7 @@ import importlib
 import sys
 
 from jaxrl import __version__
-from jaxrl.errors import MissingExtraError
+from jaxrl.errors import MissingExtraError, needs_extra
 
 # Each command lives in its own module with a ``main(argv) -> int``; importing
 # lazily keeps ``jaxrl --help`` fast and free of JAX start-up.
@@ -39,12 +39,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, function_name, _ = COMMANDS[name]
     try:
-        command = getattr(importlib.import_module(module_name), function_name)
+        # Around the run too, not only the import: some commands import their heavy modules inside.
+        with needs_extra(f"jaxrl {name}"):
+            command = getattr(importlib.import_module(module_name), function_name)
+            return int(command(rest) or 0)
     except MissingExtraError as error:
         # Every command needs the [train] extra; the base install is the losses library only.
         print(MissingExtraError(f"jaxrl {name}", error.name, error.extra), file=sys.stderr)
         return 2
-    return int(command(rest) or 0)
 
 
 if __name__ == "__main__":

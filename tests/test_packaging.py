@@ -114,11 +114,16 @@ def test_base_install_runs_the_losses_alone(dist, tmp_path):
 
     version = dist["wheel"].name.split("-")[1]
     assert _run(bindir / "jaxrl", "--version", env=env, cwd=tmp_path).stdout.strip() == f"jaxrl {version}"
-    train = subprocess.run([bindir / "jaxrl", "train", "x.yaml"], capture_output=True, text=True, env=env,
-                           cwd=tmp_path)
-    assert train.returncode == 2, (train.returncode, train.stdout, train.stderr)
-    assert train.stderr.strip() == ('jaxrl train needs the [train] extra (flax is not installed): '
-                                    'pip install "jaxrl[train]"'), train.stderr
+    # Every command, with the arguments a user would give: some import their modules only once running.
+    from jaxrl.cli import COMMANDS
+
+    arguments = {"demo": [], "experiment": ["kl"], "compile": ["x.yaml", "--topology", "v5e:2x2"]}
+    for name in COMMANDS:
+        run = subprocess.run([bindir / "jaxrl", name, *arguments.get(name, ["x.yaml"])], capture_output=True,
+                             text=True, env=env, cwd=tmp_path)
+        assert run.returncode == 2, (name, run.returncode, run.stdout, run.stderr)
+        assert re.fullmatch(rf'jaxrl {name} needs the \[train\] extra \([\w.]+ is not installed\): '
+                            r'pip install "jaxrl\[train\]"', run.stderr.strip()), (name, run.stderr)
 
 
 def test_needs_extra_names_the_extra_and_passes_other_errors():
