@@ -154,6 +154,32 @@ def test_replay_removes_the_routing_mismatch_of_a_perturbed_engine(files, moe_ch
         assert np.abs(a - b).max() > 1e-4
 
 
+def _k3(logp, ref_logp):
+    """k3(p || ref) per token: exp(ref - logp) - (ref - logp) - 1 (float64)."""
+    gap = np.asarray(ref_logp, np.float64) - np.asarray(logp, np.float64)
+    return np.exp(gap) - gap - 1
+
+
+def test_the_update_and_the_reference_replay_the_routes(files, moe_checkpoint, tmp_path):
+    """One mini-batch and a KL to the reference, at the first step (learner = reference = the
+    weights the recompute used): with replay the reference's forward is the recompute's, and the
+    update's first forward sees the reference's logprobs (its k3 to them is float rounding).
+    A forward that routes for itself differs from these by a k3 over 100x that bound, so an update
+    or a reference that dropped the routes would show here."""
+    config = moe_config(files, moe_checkpoint, tmp_path, replay=True, steps=1, update={"mini_batches": 1},
+                        objective={"kl_kind": "k3-as-loss", "kl_coef": 0.1})
+    rows, graphdef, before, _, batches = run(config, embedded_engine(config, scale=0.05))
+    batch, first = batches[1], rows[0]
+    generated = np.asarray(batch.generated)
+    old_logp = np.asarray(batch.old_logp)[generated]
+    np.testing.assert_allclose(np.asarray(batch.ref_logp)[generated], old_logp, atol=1e-6)
+    own_routing = forward_with_routes(graphdef, before, batch.replace(routed_experts=None))[generated]
+    dropped = _k3(own_routing, old_logp).mean()
+    print(f"update k3 to the reference {first['update/kl_k3']:.3g}; a forward without the routes {dropped:.3g}")
+    assert dropped > 1e-5
+    assert abs(first["update/kl_k3"]) * 100 <= dropped
+
+
 def test_routes_travel_through_packing_and_mini_and_micro_batches(files, moe_checkpoint, tmp_path):
     """Packed rows, 2 mini-batches of 2 micro-batches each: the update of the plain rows. The
     engine's routers are perturbed more here (a few percent of the routes differ), so routes
