@@ -54,8 +54,9 @@ class EnvLimits:
 class StepResult:
     """One environment step.
 
-    observation_ids: tokens to append (empty when done). reward: the conversation's reward when
-    the environment gives one (usually at done), else None. done: the conversation ends now.
+    observation_ids: tokens to append (empty when done). reward: this step's reward, for the turn
+    just taken or (at done) for the conversation, else None; a conversation's environment reward
+    is the sum of its steps' rewards. done: the conversation ends now.
     info: counts for the metrics: ``tool_calls``, ``tool_errors``, ``tool_timeouts``,
     ``truncations`` (ints), and ``finish`` (one of FINISH_REASONS) when done.
     """

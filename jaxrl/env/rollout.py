@@ -38,12 +38,18 @@ COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "truncations")
 class Episode:
     """One conversation's outcome: the conversation (``model_mask``, ``turn_ids``, logprobs and
     routes across turns), why it ended (``finish``, one of ``jaxrl.env.base.FINISH_REASONS``),
-    the environment's reward or None, and its tool counts."""
+    the environment's reward or None, and its tool counts.
+
+    ``step_rewards``: the rewards the environment's steps gave, per turn or at the end, in order;
+    ``reward``: the conversation's environment reward, their sum (sequence-level, as GRPO's
+    advantages are), or ``Environment.final_reward`` when no step gave one, or None.
+    """
 
     conversation: Conversation
     row: Mapping
     finish: str = ""
     reward: float | None = None
+    step_rewards: list[float] = dataclasses.field(default_factory=list)
     counts: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
     error: str | None = None
 
@@ -137,19 +143,22 @@ def _apply(env: Environment, episode: Episode, result: StepResult | BaseExceptio
         return
     for key in COUNTS:
         episode.counts[key] += int(result.info.get(key, 0))
+    if result.reward is not None:
+        episode.step_rewards.append(float(result.reward))
     conversation = episode.conversation
     if result.done:
-        _finish(env, episode, str(result.info.get("finish", "answered")), result.reward)
+        _finish(env, episode, str(result.info.get("finish", "answered")))
     elif conversation.num_model_turns >= env.limits.max_turns:
-        _finish(env, episode, MAX_TURNS, result.reward)
+        _finish(env, episode, MAX_TURNS)
     elif len(conversation.token_ids) + len(result.observation_ids) >= env.limits.max_total_tokens:
-        _finish(env, episode, MAX_TOKENS, result.reward)
+        _finish(env, episode, MAX_TOKENS)
     else:
         episode.conversation = conversation.add_environment_tokens(result.observation_ids)
 
 
-def _finish(env: Environment, episode: Episode, finish: str, reward: float | None = None) -> None:
+def _finish(env: Environment, episode: Episode, finish: str) -> None:
     episode.finish = finish
+    reward = sum(episode.step_rewards) if episode.step_rewards else None
     if reward is None and finish != ENV_ERROR:
         try:
             reward = env.final_reward(episode.conversation, finish)

@@ -5,14 +5,16 @@ recompute, the turn metrics, and exact resume.
 The environment is a user one plugged in by import path (``env.tasks.<task>.kind: python``):
 after each model turn it answers "+1=" and ends the conversation after three model turns, so
 every conversation has three model turns and two environment observations whatever the random
-model writes."""
+model writes. It rewards each turn it answers with TURN_REWARD and the conversation at its end
+with 1 when the model's first token is even (0 otherwise), so the environment reward of a
+conversation is known in closed form."""
 
 import jax
 import numpy as np
 
 from jaxrl.env import Environment, EnvLimits, StepResult
 from jaxrl.rollout.base import Conversation
-from jaxrl.trainer import stages
+from jaxrl.trainer import rl, stages
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
 
@@ -22,6 +24,14 @@ from test_loop import _comparable, _run, make_config
 files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
 
 TURNS = 3
+TURN_REWARD = 0.125
+
+
+def environment_reward(conversation) -> float:
+    """What CountingEnvironment's steps give a conversation: TURN_REWARD per answered turn, then 1
+    at the end when the model's first token is even."""
+    first_model_token = int(conversation.token_ids[np.flatnonzero(conversation.model_mask)[0]])
+    return (TURNS - 1) * TURN_REWARD + float(first_model_token % 2 == 0)
 
 
 class CountingEnvironment(Environment):
@@ -36,8 +46,9 @@ class CountingEnvironment(Environment):
 
     def step(self, conversation, model_turn):
         if conversation.num_model_turns >= TURNS:
-            return StepResult(done=True, info={"finish": "answered"})
-        return StepResult(observation_ids=self.observation)
+            first_model_token = int(conversation.token_ids[np.flatnonzero(conversation.model_mask)[0]])
+            return StepResult(done=True, reward=float(first_model_token % 2 == 0), info={"finish": "answered"})
+        return StepResult(observation_ids=self.observation, reward=TURN_REWARD)
 
 
 def counting_environment(tokenizer, task):
@@ -58,6 +69,11 @@ def test_conversations_train_on_the_model_tokens_only(files, tmp_path, monkeypat
         return out
 
     monkeypatch.setattr(stages, "recompute", recording)
+    combined = []
+    with_environment_rewards = rl.with_environment_rewards
+    monkeypatch.setattr(rl, "with_environment_rewards",
+                        lambda scored, samples: combined.append((scored, with_environment_rewards(scored, samples)))
+                        or combined[-1][1])
     trainer = RLTrainer(make_config(files, tmp_path, steps=1, env=ENV))
     taken = []
     take = trainer.rollouts.take
@@ -88,6 +104,12 @@ def test_conversations_train_on_the_model_tokens_only(files, tmp_path, monkeypat
     assert gap.size == sum(int(s.output_mask.sum()) for s in samples) and gap.max() < 1e-4
     assert row["mismatch_turn/later_turns_num_tokens"] > 0 and row["mismatch_turn/first_turn_num_tokens"] > 0
     assert row["env/turns_per_conversation"] == TURNS and row["env/finished_answered"] == 1.0
+    # Rewards: the task's score of the model's text plus the environment's per-turn and final rewards.
+    (task, total), = combined
+    want = np.asarray([environment_reward(s.episode.conversation) for s in samples], np.float32)
+    assert 0 < want.min() < want.max()  # per-turn rewards in every conversation, the final one in some
+    np.testing.assert_allclose(total.scores, np.asarray(task.scores) + want, rtol=1e-6)
+    np.testing.assert_allclose(row["reward/mean"], float(np.mean(total.scores)), rtol=1e-5)
 
 
 def test_multiturn_resume_reproduces_the_straight_run(files, tmp_path):
