@@ -20,6 +20,7 @@ from jaxrl.align.check import check_engine
 from jaxrl.models import Decoder
 from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.rollout.base import Conversation, LogprobKind, SamplingParams
+from jaxrl.rollout.sampler import JaxSampler
 from jaxrl.rollout.sglang import PushConfig, PushVerificationError, SGLangEngine
 from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
 from jaxrl.rollout.sglang.testing import random_decoder
@@ -86,6 +87,23 @@ def test_multi_turn_continues_by_ids_and_matches_the_learner(sglang_dense):
 
 def perturbed(model: Decoder, seed: int) -> Decoder:
     return random_decoder(model.config, seed=seed)
+
+
+def test_generation_stops_at_a_stop_token_as_the_embedded_sampler_does(sglang_dense):
+    """A greedy continuation, then the same with its fourth token as a stop id: the output ends at
+    that token's first occurrence with finish "stop", and the embedded sampler on the same weights
+    stops at the same place (SGLang ignores stop_token_ids when ignore_eos is set)."""
+    engine, prompt = sglang_dense.engine, PROMPTS[1]
+    free = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=12))[0][0]
+    assert free.finish_reason == "length" and len(free.output_ids) == 12
+    stop = int(free.output_ids[3])
+    first = int(np.flatnonzero(np.asarray(free.output_ids) == stop)[0])
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop,))
+    stopped = engine.generate([prompt], params)[0][0]
+    assert stopped.finish_reason == "stop"
+    np.testing.assert_array_equal(stopped.output_ids, free.output_ids[:first + 1])
+    embedded = JaxSampler(sglang_dense.model).generate([prompt], params)[0][0]
+    np.testing.assert_array_equal(embedded.output_ids, stopped.output_ids)
 
 
 def test_weight_push_changes_outputs_restores_them_bit_for_bit_and_bumps_the_version(sglang_dense):

@@ -173,15 +173,18 @@ class SGLangClient:
 
 
 def sampling_payload(params: SamplingParams, n: int) -> dict:
-    """SGLang ``sampling_params`` for ours. Generation stops only on ``params.stop_token_ids``
-    or the length limit (``ignore_eos``), the same rule every jaxrl engine follows."""
+    """SGLang ``sampling_params`` for ours. Generation stops on ``params.stop_token_ids`` or the
+    length limit, as the embedded sampler does. SGLang honours ``stop_token_ids`` only without
+    ``ignore_eos`` (with it, nothing but the length stops a request), and then also stops on the
+    model's own end-of-sequence ids (its config's ``eos_token_id``, its tokenizer's): give those in
+    ``stop_token_ids`` too, so that both engines stop at the same tokens."""
     return {
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k if params.top_k > 0 else -1,
         "max_new_tokens": params.max_new_tokens,
         "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": True,
+        "ignore_eos": False,
         "n": n,
     }
 
