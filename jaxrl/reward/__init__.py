@@ -1,13 +1,16 @@
-"""Reward functions: the interface, the math final-answer checker, format checks, per-task routing.
+"""Reward functions: the interface, the math final-answer checker, format checks, judges, per-task routing.
 
 ``build_router(RewardConfig)`` turns the config's task table into a ``SandboxedRewardRouter``:
 every reward call runs in a worker process under ``reward.timeout_s`` (``jaxrl.reward.sandbox``).
-A ``RewardRouter`` built from plain callables scores in-process.
+A ``RewardRouter`` built from plain callables scores in-process. Tasks of a judge kind
+(``jaxrl.reward.judge``) are scored as a batch by their judge models, which the caller serves and
+hands in (``judges``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 from jaxrl.errors import needs_extra
 
@@ -15,6 +18,8 @@ from jaxrl.errors import needs_extra
 with needs_extra("jaxrl.reward"):
     from jaxrl.reward.base import RewardFn, RewardResult, RewardRouter, ScoredBatch
     from jaxrl.reward.format import FormatReward
+    from jaxrl.reward.judge import JUDGE_KINDS, JUDGE_TEMPLATES, JudgeConfig, parse_judge_score
+    from jaxrl.reward.judge_batch import JudgeCache, JudgeModel, JudgeReply, JudgeScorer, JudgeUnavailableError
     from jaxrl.reward.math import MathAnswerReward, answers_match, extract_answer, extract_boxed
     from jaxrl.reward.sandbox import SandboxedRewardRouter, WorkerStartError, check_seconds
     from jaxrl.reward.tasks import TaskRewardConfig, build_reward
@@ -43,19 +48,26 @@ class RewardConfig:
             raise ValueError(f"reward.default_task={self.default_task!r} is not in reward.tasks {sorted(self.tasks)}")
 
 
-def build_router(config: RewardConfig) -> SandboxedRewardRouter:
-    """The config's tasks behind one worker process, each call limited to ``config.timeout_s``.
+def build_router(config: RewardConfig, judges: Mapping[str, JudgeModel] | None = None,
+                 judge_cache: str | None = None) -> SandboxedRewardRouter:
+    """The config's tasks behind one worker process, each call limited to ``config.timeout_s``;
+    the judge tasks scored by ``judges`` (name -> model, every ``judge.server`` the tasks name),
+    with their scores cached in memory and, given ``judge_cache`` (a JSONL path), on disk.
 
     The functions are built here too, so a ``kind: python`` spec that cannot be imported
-    raises ValueError naming it now. Call ``close()`` on the router when done.
+    raises ValueError naming it now. The router owns the judges. Call ``close()`` on it when done.
     """
+    judged = {name: task for name, task in config.tasks.items() if task.kind in JUDGE_KINDS}
+    judge = JudgeScorer(judged, judges or {}, JudgeCache(judge_cache)) if judged else None
     return SandboxedRewardRouter(
-        config.tasks, task_field=config.task_field, default_task=config.default_task, timeout_s=config.timeout_s,
+        {name: task for name, task in config.tasks.items() if name not in judged}, task_field=config.task_field,
+        default_task=config.default_task, timeout_s=config.timeout_s, judge=judge,
     )
 
 
 __all__ = [
-    "FormatReward", "MathAnswerReward", "RewardConfig", "RewardFn", "RewardResult", "RewardRouter",
-    "SandboxedRewardRouter", "ScoredBatch", "TaskRewardConfig", "WorkerStartError", "answers_match",
-    "build_reward", "build_router", "extract_answer", "extract_boxed",
+    "FormatReward", "JUDGE_KINDS", "JUDGE_TEMPLATES", "JudgeCache", "JudgeConfig", "JudgeModel", "JudgeReply",
+    "JudgeScorer", "JudgeUnavailableError", "MathAnswerReward", "RewardConfig", "RewardFn", "RewardResult",
+    "RewardRouter", "SandboxedRewardRouter", "ScoredBatch", "TaskRewardConfig", "WorkerStartError", "answers_match",
+    "build_reward", "build_router", "extract_answer", "extract_boxed", "parse_judge_score",
 ]

@@ -22,6 +22,8 @@ and the sample, like an exception.
 callables). ``jaxrl.reward.build_router`` returns its subclass
 ``jaxrl.reward.sandbox.SandboxedRewardRouter``, which calls them in a worker process under
 ``reward.timeout_s`` so that a hanging or crashing reward cannot stop the run either.
+Tasks of a judge kind are not functions: a router's ``judge``
+(``jaxrl.reward.judge_batch.JudgeScorer``) scores their samples as one batch, here.
 """
 
 from __future__ import annotations
@@ -140,7 +142,9 @@ class RewardRouter:
     holding the task; rows without it use ``default_task``. ``answer_fields``: task ->
     the row field its reward needs (the math reference answer); ``row_problem`` flags
     rows without it. Functions run in this process, without a time limit: use
-    ``jaxrl.reward.build_router`` (a ``SandboxedRewardRouter``) for that.
+    ``jaxrl.reward.build_router`` (a ``SandboxedRewardRouter``) for that. ``judge``: a
+    ``jaxrl.reward.judge_batch.JudgeScorer`` for the tasks of a judge kind (its ``tasks``), which
+    the router owns (``close``); ``take_metrics`` returns its ``judge/*`` metrics.
     """
 
     timeout_s: float | None = None
@@ -151,20 +155,23 @@ class RewardRouter:
         task_field: str = "task",
         default_task: str | None = None,
         answer_fields: Mapping[str, str] | None = None,
+        judge=None,
     ):
-        if not functions:
-            raise ValueError("RewardRouter needs at least one reward function (functions={} given)")
-        if default_task is not None and default_task not in functions:
-            raise ValueError(
-                f"RewardRouter default_task={default_task!r} has no reward function; known tasks: {sorted(functions)}"
-            )
+        self.judged = dict(judge.tasks) if judge is not None else {}
+        known = sorted({*functions, *self.judged})
+        if not known:
+            raise ValueError("RewardRouter needs at least one reward function or judge task (none given)")
+        if default_task is not None and default_task not in known:
+            raise ValueError(f"RewardRouter default_task={default_task!r} has no reward function; known tasks: {known}")
         unknown = sorted(set(answer_fields or {}) - set(functions))
         if unknown:
             raise ValueError(f"RewardRouter answer_fields names tasks {unknown} that have no reward function")
         self.functions = dict(functions)
+        self.known = known
         self.task_field = task_field
         self.default_task = default_task
         self.answer_fields = dict(answer_fields or {})
+        self.judge = judge
 
     def task_of(self, row: Mapping) -> str:
         problem = self._task_problem(row)
@@ -177,16 +184,16 @@ class RewardRouter:
         if task is None:
             return (
                 f"row has no {self.task_field!r} field and no default task is configured; "
-                f"add the field or set reward.default_task to one of {sorted(self.functions)}"
+                f"add the field or set reward.default_task to one of {self.known}"
             )
         try:
-            known = task in self.functions
+            known = task in self.functions or task in self.judged
         except TypeError:  # an unhashable value (a list, a dict) in the task field
             known = False
         if not known:
             return (
                 f"row task {task!r} (field {self.task_field!r}) has no reward function; "
-                f"known tasks: {sorted(self.functions)}"
+                f"known tasks: {self.known}"
             )
         return None
 
@@ -195,13 +202,16 @@ class RewardRouter:
 
         reason "unknown_task": no task field and no default task, or a task without a
         reward function; "missing_answer": the task's reward needs ``answer_fields[task]``
-        (the math reference answer) and the row lacks it, or it is null or blank. Meant for
-        the data loader, to skip such rows with their file and line before training.
+        (the math reference answer) and the row lacks it, or it is null or blank; for a judge
+        task, the judge's own reasons (``JudgeScorer.row_problem``). Meant for the data loader,
+        to skip such rows with their file and line before training.
         """
         problem = self._task_problem(row)
         if problem is not None:
             return "unknown_task", problem
         task = row.get(self.task_field, self.default_task)
+        if task in self.judged:
+            return self.judge.row_problem(task, row)
         field = self.answer_fields.get(task)
         if field is not None:
             value = row.get(field)
@@ -233,7 +243,7 @@ class RewardRouter:
                 f"({len(response_ids)}) and rows ({len(rows)}) must have the same length"
             )
         tasks = [self.task_of(row) for row in rows]
-        outcomes = self._call_all(tasks, prompts, responses, response_ids, rows)
+        outcomes = self._outcomes(tasks, prompts, responses, response_ids, rows, on_error)
         scores = np.zeros(n, np.float32)
         unparsable = np.zeros(n, bool)
         raised = np.zeros(n, bool)
@@ -268,6 +278,29 @@ class RewardRouter:
         return ScoredBatch(scores=scores, unparsable=unparsable, raised=raised, tasks=tuple(tasks),
                            timed_out=timed_out, token_rewards=tuple(token_rewards))
 
+    def _outcomes(self, tasks, prompts, responses, response_ids, rows, on_error) -> list[Outcome]:
+        """One Outcome per sample: the judge tasks' from the judge, as one batch; the others' from
+        their functions (``_call_all``)."""
+        judged = [i for i, task in enumerate(tasks) if task in self.judged]
+        if not judged:
+            return self._call_all(tasks, prompts, responses, response_ids, rows)
+        plain = sorted(set(range(len(tasks))) - set(judged))
+        outcomes: list[Outcome | None] = [None] * len(tasks)
+
+        def pick(items, indices):
+            return [items[i] for i in indices]
+
+        found = self.judge.score(*(pick(x, judged) for x in (tasks, prompts, responses, rows)), on_error=on_error)
+        if plain:
+            found += self._call_all(*(pick(x, plain) for x in (tasks, prompts, responses, response_ids, rows)))
+        for i, outcome in zip(judged + plain, found, strict=True):
+            outcomes[i] = outcome
+        return outcomes
+
+    def take_metrics(self) -> dict[str, float]:
+        """The judge's ``judge/*`` metrics since the last call (``JudgeScorer.take_metrics``); {} without one."""
+        return self.judge.take_metrics() if self.judge is not None else {}
+
     def _call_all(self, tasks, prompts, responses, response_ids, rows) -> list[Outcome]:
         """One Outcome per sample; here, in this process."""
         return [
@@ -276,7 +309,9 @@ class RewardRouter:
         ]
 
     def close(self) -> None:
-        """Releases worker processes (none in-process); safe to call more than once."""
+        """Releases worker processes (none in-process) and the judge's models; safe to call more than once."""
+        if self.judge is not None:
+            self.judge.close()
 
     def __enter__(self):
         return self

@@ -220,7 +220,8 @@ class SandboxedRewardRouter(RewardRouter):
     The functions are also built here at construction, so a bad ``kind: python`` spec
     or regex fails now, naming it. ``answer_fields`` (for ``row_problem``) are the math
     tasks' ``answer_field``. ``start_timeout_s``: how long a worker may take to start.
-    ``close()`` (or ``with``) stops the worker; a later ``score`` starts a new one.
+    ``close()`` (or ``with``) stops the worker; a later ``score`` starts a new one. ``judge``: the
+    judge tasks' scorer (``RewardRouter``); their samples never reach the worker.
     """
 
     def __init__(
@@ -230,6 +231,7 @@ class SandboxedRewardRouter(RewardRouter):
         default_task: str | None = None,
         timeout_s: float = 10.0,
         start_timeout_s: float = 120.0,
+        judge=None,
     ):
         check_seconds("SandboxedRewardRouter timeout_s", timeout_s)
         check_seconds("SandboxedRewardRouter start_timeout_s", start_timeout_s)
@@ -246,7 +248,7 @@ class SandboxedRewardRouter(RewardRouter):
         super().__init__(
             {name: build_reward(task) for name, task in tasks.items()}, task_field=task_field,
             default_task=default_task,
-            answer_fields={name: task.answer_field for name, task in tasks.items() if task.kind == "math"},
+            answer_fields={name: task.answer_field for name, task in tasks.items() if task.kind == "math"}, judge=judge,
         )
         self.tasks = dict(tasks)
         self.timeout_s = float(timeout_s)
@@ -263,11 +265,12 @@ class SandboxedRewardRouter(RewardRouter):
         return worker.pid if worker is not None and worker.alive() else None
 
     def close(self) -> None:
-        """Stops the worker process, if any; idempotent."""
+        """Stops the worker process, if any, and the judge's models; idempotent."""
         with self._lock:
             if self._worker is not None:
                 self._worker.close()
                 self._worker = None
+        super().close()
 
     def _ensure_worker(self) -> _Worker:
         if self._worker is not None and not self._worker.alive():

@@ -1,7 +1,9 @@
-"""One task's reward function, from its config: the math checker, a format check, or a user's callable.
+"""One task's reward, from its config: the math checker, a format check, a user's callable, or a judge.
 
 Built in the reward worker process (``jaxrl.reward.sandbox``) as well as in the trainer, so
-this module imports only the reward functions themselves.
+this module imports only the reward functions themselves. The judge kinds (``JUDGE_KINDS``) are
+not functions: the router scores them as a batch in the trainer's process
+(``jaxrl.reward.judge_batch``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from typing import Literal
 
 from jaxrl.reward.base import RewardFn, RewardResult
 from jaxrl.reward.format import FormatReward
+from jaxrl.reward.judge import JUDGE_KINDS, JudgeConfig
 from jaxrl.reward.math import MathAnswerReward
+
+# Every kind a task may have: the per-sample functions, then the judge kinds of jaxrl.reward.judge.
+RewardKind = Literal[("math", "format", "python", *JUDGE_KINDS)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,19 +34,26 @@ class TaskRewardConfig:
     ``eval`` on answer text: docs/evaluation.md#math-answer-checking).
     """
 
-    kind: Literal["math", "format", "python"] = "math"
+    kind: RewardKind = "math"
     answer_field: str = "answer"
     pattern: str | None = None
     required_phrases: tuple[str, ...] = ()
     function: str | None = None
     rel_tol: float = 1e-6
     checker: Literal["math_verify", "normalizer"] = "normalizer"
+    judge: JudgeConfig | None = None
 
     def __post_init__(self):
         if self.kind == "python" and not self.function:
             raise ValueError("kind='python' needs function='module:callable'")
         if self.kind == "format" and self.pattern is None and not self.required_phrases:
             raise ValueError("kind='format' needs pattern or required_phrases")
+        if self.kind in JUDGE_KINDS and self.judge is None:
+            raise ValueError(f"kind={self.kind!r} needs a judge section (judge.server at least)")
+        if self.kind not in JUDGE_KINDS and self.judge is not None:
+            raise ValueError(f"judge is set but kind={self.kind!r} asks no judge; judge kinds: {list(JUDGE_KINDS)}")
+        if self.judge is not None:
+            self.judge.check_templates(self.kind)
 
 
 class _Gated:
@@ -69,6 +82,10 @@ def load_callable(spec: str, what: str = "reward function"):
 
 
 def build_reward(task: TaskRewardConfig) -> RewardFn:
+    """The per-sample reward function of ``task``; ValueError for a judge kind (no such function)."""
+    if task.kind in JUDGE_KINDS:
+        raise ValueError(f"kind={task.kind!r} is scored by a judge over the whole batch, not by a per-sample "
+                         f"function: build the router with jaxrl.reward.build_router(config, judges=...)")
     if task.kind == "python":
         return load_callable(task.function)
     if task.kind == "format":

@@ -21,6 +21,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.sharding import MeshConfig
 from jaxrl.reward import RewardConfig
 from jaxrl.rollout.config import RolloutConfig
+from jaxrl.rollout.sglang.judge import JudgeServerConfig
 from jaxrl.trainer.checkpoint import CheckpointConfig
 
 
@@ -257,7 +258,9 @@ class TrainConfig:
     docs/training.md#the-rl-update-loop). ``env``: multi-turn rollouts with environments and tools
 (``jaxrl.trainer.episodes``; None: one model turn per sample). ``critic`` is not None exactly when the run has a critic
     (``advantage.estimator: gae``; the section's defaults when it is not given). ``filter``: the
-    section of ``jaxrl filter`` only (docs/evaluation.md#the-pass-rate-filter)."""
+    section of ``jaxrl filter`` only (docs/evaluation.md#the-pass-rate-filter). ``judges``: name ->
+    the SGLang fleet of a judge model, which ``reward.tasks.<task>.judge.server`` names
+    (docs/training.md#generative-verifier-rewards)."""
 
     output_dir: str
     model: PolicyConfig
@@ -267,6 +270,7 @@ class TrainConfig:
     hardware: str = ""
     mesh: MeshConfig = MeshConfig()
     reward: RewardConfig = RewardConfig()
+    judges: dict[str, JudgeServerConfig] = dataclasses.field(default_factory=dict)
     rollout: RolloutConfig = RolloutConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     critic: CriticConfig | None = None
@@ -289,6 +293,10 @@ class TrainConfig:
                 f"file I/O), got {self.output_dir!r}; put checkpoints on gs:// or other storage with "
                 f"checkpoint.directory (Orbax writes there) and keep output_dir local"
             )
+        for name, task in self.reward.tasks.items():
+            if task.judge is not None and task.judge.server not in self.judges:
+                raise ValueError(f"reward.tasks.{name}.judge.server={task.judge.server!r} is not a key of judges "
+                                 f"{sorted(self.judges)}; declare the judge's fleet there")
         if self.critic is not None and not self.advantage.needs_critic:
             raise ValueError(
                 f"critic.* is set but advantage.estimator={self.advantage.estimator!r} uses no critic; the critic "

@@ -79,13 +79,13 @@ class _Setup:
     def start(self, examples_files: Sequence[str], max_prompts: int | None, batch: int):
         from jaxrl.data import load_examples, load_tokenizer
         from jaxrl.models import make_mesh
-        from jaxrl.reward import build_router
         from jaxrl.rollout.config import make_engine
+        from jaxrl.trainer.judges import build_reward_router
         from jaxrl.trainer.model import build_model
 
         config = self.config
         self.tokenizer = load_tokenizer(config.data.tokenizer)
-        self.router = build_router(config.reward)
+        self.router = build_reward_router(config)
         examples, self.report = load_examples(examples_files, config.data, self.tokenizer,
                                               row_check=self.router.row_problem)
         self.examples = examples[:max_prompts] if max_prompts else examples

@@ -31,8 +31,8 @@ from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
 
 log = logging.getLogger(__name__)
 
-# What a run writes into its output folder (the metrics logger, plots, batch dumps).
-_RUN_OUTPUTS = ("metrics.jsonl", "tb", "plots", "batches")
+# What a run writes into its output folder (the metrics logger, plots, batch dumps, the judges' cache).
+_RUN_OUTPUTS = ("metrics.jsonl", "tb", "plots", "batches", "judge_cache")
 
 
 class RunExistsError(InputError):
@@ -92,7 +92,7 @@ def check_fresh_start(output_dir: str, checkpoint_directory: str, *, resume: boo
 
 
 def clear_previous_run(output_dir: str, checkpoint_directory: str) -> None:
-    """Deletes an earlier run's metrics, TensorBoard events, plots, batch dumps and checkpoints."""
+    """Deletes an earlier run's metrics, TensorBoard events, plots, batch dumps, judge cache and checkpoints."""
     for name in _RUN_OUTPUTS:
         path = os.path.join(output_dir, name)
         if os.path.isdir(path):

@@ -46,7 +46,6 @@ from jaxrl.evaluation import evaluate
 from jaxrl.models import make_mesh
 from jaxrl.models.scoring import LogprobScorer
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
-from jaxrl.reward import build_router
 from jaxrl.rollout.base import LogprobKind, PushVerificationError, RolloutEngine, SamplingParams
 from jaxrl.rollout.config import make_engine
 from jaxrl.trainer import stages
@@ -58,6 +57,7 @@ from jaxrl.trainer.critic import Critic
 from jaxrl.trainer.dynamic_sampling import Drawn, fill_with_signal
 from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.episodes import environment_metrics, generate_conversations, with_environment_rewards
+from jaxrl.trainer.judges import build_reward_router, judge_cache_path
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_rl
 from jaxrl.trainer.metrics import StageClock
 from jaxrl.trainer.rollouts import RolloutBatch, RolloutQueue, staleness_metrics
@@ -80,7 +80,7 @@ class RLTrainer:
         self.errors: list[str] = []
         data = config.data
         self.tokenizer = load_tokenizer(data.tokenizer)
-        self.router = build_router(config.reward)
+        self.router = build_reward_router(config, judge_cache_path(config.output_dir))
         self.examples, self.data_report = load_examples(data.train_files, data, self.tokenizer,
                                                         row_check=self.router.row_problem)
         self.eval_examples = (
@@ -257,8 +257,8 @@ class RLTrainer:
         self.step = step
         return {
             **stages.rollout_metrics([s for _, s in flat]), **staleness_metrics(rollout, step - 1), **dynamic_metrics,
-            **stages.reward_metrics(scored), **recompute_metrics, **advantage_metrics, **filter_metrics,
-            **update_metrics, **push_metrics, **environment_metrics([s for _, s in flat]),
+            **stages.reward_metrics(scored, self.router.take_metrics()), **recompute_metrics, **advantage_metrics,
+            **filter_metrics, **update_metrics, **push_metrics, **environment_metrics([s for _, s in flat]),
             "data/bad_rows": self.data_report.bad_rows,
             **clock.metrics(tokens=batch.num_tokens), "time/generation": rollout.generate_seconds,
         }
@@ -356,7 +356,7 @@ class RLTrainer:
         result = evaluate(self.engine, self.router, self.tokenizer, self.eval_examples,
                           self._sampling(_seed(self.config.seed, -1), e.temperature), e.samples, e.k,
                           on_error=self.errors.append)
-        return result.metrics("heldout")
+        return {**result.metrics("heldout"), **{f"heldout/{k}": v for k, v in self.router.take_metrics().items()}}
 
     # ---------------------------------------------------------------- checkpoints
     def _meta(self) -> dict:

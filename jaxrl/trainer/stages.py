@@ -33,7 +33,9 @@ def rollout_metrics(samples: list) -> dict[str, float]:
             "rollout/response_length_max": float(lengths.max())}
 
 
-def reward_metrics(scored) -> dict[str, float]:
+def reward_metrics(scored, judge: dict[str, float] | None = None) -> dict[str, float]:
+    """The batch's reward statistics, with the router's ``judge/*`` metrics (``RewardRouter.take_metrics``)
+    as ``reward/judge/*``."""
     metrics = {
         "reward/mean": float(scored.scores.mean()),
         "reward/std": float(scored.scores.std()),
@@ -48,6 +50,7 @@ def reward_metrics(scored) -> dict[str, float]:
         metrics[f"reward/{task}/mean"] = float(values.mean())
         metrics[f"reward/{task}/std"] = float(values.std())
         metrics[f"reward/{task}/share"] = float(len(values) / len(tasks))  # of the batch (data.mixture)
+    metrics.update({f"reward/{name}": value for name, value in (judge or {}).items()})
     return metrics
 
 

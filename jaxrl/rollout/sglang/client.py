@@ -10,7 +10,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import requests
@@ -170,6 +170,30 @@ class SGLangClient:
             for f in futures:
                 f.cancel()
             raise
+
+    def map_settled(self, calls: Sequence[tuple[int, str, str, dict | None, str]]) -> list[Settled]:
+        """Runs many ``request`` calls concurrently, each to its end; one ``Settled`` per call, in order.
+
+        For callers that handle failures call by call (a judge retries a failed judgement, then
+        masks it): a call that fails for good is its ``error``, and the others still finish.
+        """
+        def timed(call) -> Settled:
+            start = time.perf_counter()
+            try:
+                return Settled(self.request(*call), None, time.perf_counter() - start)
+            except (SGLangRequestError, requests.RequestException) as err:
+                return Settled(None, err, time.perf_counter() - start)
+
+        return [f.result() for f in [self._pool.submit(timed, call) for call in calls]]
+
+
+class Settled(NamedTuple):
+    """How one request of ``SGLangClient.map_settled`` ended: its decoded JSON ``result``, or None and
+    the ``error``; ``seconds`` from its start to its end, retries included."""
+
+    result: Any
+    error: Exception | None
+    seconds: float
 
 
 def sampling_payload(params: SamplingParams, n: int) -> dict:

@@ -1,8 +1,12 @@
-"""Random ``jaxrl.models.Decoder`` checkpoints for SGLang tests and benchmarks (no model hub here)."""
+"""Checkpoints for SGLang tests and benchmarks (no model hub here): random ``jaxrl.models.Decoder``s,
+and constructed ones whose greedy output is known (``write_bigram_checkpoint``)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxrl.models import Decoder, ModelConfig, save_hf_checkpoint
@@ -24,5 +28,42 @@ def random_decoder(config: ModelConfig, seed: int = 0, matrix_scale: float = 10.
 def write_random_checkpoint(path: str, config: ModelConfig, seed: int = 0, matrix_scale: float = 10.0) -> Decoder:
     """Writes ``random_decoder(config, seed, matrix_scale)`` as an HF checkpoint to ``path``; returns it."""
     model = random_decoder(config, seed, matrix_scale)
+    save_hf_checkpoint(model, path)
+    return model
+
+
+
+def write_bigram_checkpoint(path: str, config: ModelConfig, next_token: Sequence[int], seed: int = 0) -> Decoder:
+    """Writes (and returns) a decoder of ``config`` whose greedy decoding is a bigram program: after
+    token ``a`` comes ``next_token[a]`` (one entry per vocabulary id), whatever precedes it.
+
+    How: every attention ``o_proj`` and MLP ``down_proj`` is zero, so each position's residual
+    stream is its token's embedding. Token ``a``'s embedding is the unit vector of the slot of
+    its successor (one slot per distinct successor, at most ``hidden_size``), and the LM head
+    column of each successor is 10 times its slot's unit vector. After the final RMSNorm the
+    successor's logit is ``10 * sqrt(hidden_size)`` and every other logit 0.
+    """
+    if len(next_token) != config.vocab_size:
+        raise ValueError(f"next_token has {len(next_token)} entries for a vocabulary of {config.vocab_size}")
+    slots = {token: i for i, token in enumerate(sorted(set(next_token)))}
+    if len(slots) > config.hidden_size:
+        raise ValueError(f"{len(slots)} distinct successors need hidden_size >= {len(slots)}")
+    embed = np.zeros((config.vocab_size, config.hidden_size), np.float32)
+    head = np.zeros((config.hidden_size, config.vocab_size), np.float32)  # ours is [hidden, vocab]
+    for token, successor in enumerate(next_token):
+        embed[token, slots[successor]] = 1.0
+    for successor, slot in slots.items():
+        head[slot, successor] = 10.0
+    model = random_decoder(config, seed)
+
+    def constructed(path, x):
+        names = {getattr(part, "key", part) for part in path}
+        if "embed" in names:
+            return embed
+        if "lm_head" in names:
+            return head
+        return x * 0 if names & {"o_proj", "down_proj"} else x
+
+    nnx.update(model, jax.tree_util.tree_map_with_path(constructed, nnx.state(model)))
     save_hf_checkpoint(model, path)
     return model
