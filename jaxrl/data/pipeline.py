@@ -29,7 +29,9 @@ class DataConfig:
     """Where the prompts come from and how they are tokenised.
 
     train_files/eval_files: .jsonl or .parquet files. prompt_field / response_field:
-    row fields holding the prompt and (SFT only) the target response. tokenizer: a
+    row fields holding the prompt and (SFT only) the target response: a string, or a
+    conversation's turns after the prompt, ``[{"role": "model" | "environment", "text": ...}]``,
+    trained on the model's turns only (``_encode_turns``). tokenizer: a
     local folder. max_prompt_tokens: longer prompts are bad rows (skipped, counted).
     max_response_tokens: SFT responses longer than this are bad rows. mixture: weights by the
     row field ``mixture_field`` (e.g. task -> weight): every batch draws from each group in that
@@ -72,13 +74,15 @@ def check_mixture(key: str, mixture) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """A valid row: its prompt (text and ids), the SFT response ids (empty for RL), and the raw row."""
+    """A valid row: its prompt (text and ids), the SFT response ids (empty for RL) with their loss
+    mask (1 on the tokens SFT trains on, 0 on an environment's), and the raw row."""
 
     prompt: str
     prompt_ids: np.ndarray
     response_ids: np.ndarray
     row: dict[str, Any]
     where: str
+    response_mask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +90,7 @@ class LoadReport:
     """How many rows were read, kept and skipped (by reason).
 
     bad_by_reason: reason -> rows skipped for it ("unreadable", "missing_field",
-      "empty_prompt", "empty_response", "too_long", or a reason given by ``row_check``).
+      "empty_prompt", "empty_response", "bad_turns", "too_long", or a reason given by ``row_check``).
     first_bad: reason -> the locations ("FILE line N" / "FILE row N") of its first
       few rows (at most ``FIRST_BAD``), over all files.
     """
@@ -139,15 +143,23 @@ def _row_problem(row: Row, config: DataConfig, tokenizer, with_response: bool,
         return _Bad("too_long", f"prompt longer than data.max_prompt_tokens={config.max_prompt_tokens}",
                     f"{len(prompt_ids)} tokens")
     response_ids: list[int] = []
+    response_mask: list[int] = []
     if with_response:
         response = row.data.get(config.response_field)
         if response is None:
             return _Bad("missing_field", f"missing field {config.response_field!r}",
                         f"has fields {sorted(row.data)}")
-        if not isinstance(response, str) or not response:
+        if isinstance(response, list):
+            turns = _encode_turns(tokenizer, response)
+            if isinstance(turns, _Bad):
+                return turns
+            response_ids, response_mask = turns
+        elif not isinstance(response, str) or not response:
             return _Bad("empty_response", f"empty or non-text field {config.response_field!r}",
                         f"is {_short(response)}")
-        response_ids = list(tokenizer.encode(response, add_special_tokens=False)) + [tokenizer.eos_token_id]
+        else:
+            response_ids = list(tokenizer.encode(response, add_special_tokens=False)) + [tokenizer.eos_token_id]
+            response_mask = [1] * len(response_ids)
         if len(response_ids) > config.max_response_tokens:
             return _Bad("too_long", f"response longer than data.max_response_tokens={config.max_response_tokens}",
                         f"{len(response_ids)} tokens")
@@ -169,7 +181,35 @@ def _row_problem(row: Row, config: DataConfig, tokenizer, with_response: bool,
         response_ids=np.asarray(response_ids, np.int32),
         row=dict(row.data),
         where=row.where,
+        response_mask=np.asarray(response_mask, np.int32),
     )
+
+
+TURN_ROLES = ("model", "environment")
+
+
+def _encode_turns(tokenizer, turns: list) -> tuple[list[int], list[int]] | _Bad:
+    """An SFT response that is a conversation's turns after the prompt, each ``{"role": "model" |
+    "environment", "text": ...}``: (token ids, loss mask). Each turn is encoded on its own, as a
+    multi-turn rollout appends them (``jaxrl.env``): a model turn ends with eos, as the engine's
+    turns do, and is trained on; an environment turn (e.g. a tool response, as the environment
+    renders it) is encoded as is and masked out of the loss."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for turn in turns:
+        if not (isinstance(turn, dict) and turn.get("role") in TURN_ROLES and isinstance(turn.get("text"), str)
+                and turn["text"]):
+            return _Bad("bad_turns", f"each response turn must be {{role: {' | '.join(TURN_ROLES)}, text: "
+                        "non-empty string}", f"has {_short(turn)}")
+        model = turn["role"] == "model"
+        tokens = list(tokenizer.encode(turn["text"], add_special_tokens=False)) + (
+            [tokenizer.eos_token_id] if model else [])
+        ids += tokens
+        mask += [int(model)] * len(tokens)
+    if not any(mask):
+        return _Bad("empty_response", "the response turns hold no model turn to train on",
+                    f"roles {[turn['role'] for turn in turns]}")
+    return ids, mask
 
 
 def _short(value: Any, limit: int = 40) -> str:

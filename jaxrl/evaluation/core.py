@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxrl.data.pipeline import Example
 from jaxrl.reward.base import RewardRouter, ScoredBatch
-from jaxrl.rollout.base import RolloutEngine, SamplingParams
+from jaxrl.rollout.base import RolloutEngine, Sample, SamplingParams
 
 # A sample counts as correct for pass@k when its reward exceeds this (binary 0/1 rewards; the
 # same rule as the pass@k advantages in jaxrl.losses.passk).
@@ -112,25 +112,34 @@ def sampling_record(params: SamplingParams, n: int) -> dict:
             "max_new_tokens": params.max_new_tokens, "seed": params.seed}
 
 
+# generate(examples, params, n) -> samples[prompt][n], e.g. multi-turn conversations with the rows'
+# environments (jaxrl.trainer.episodes.generate_conversations); None: one model turn per sample.
+Generate = Callable[[Sequence[Example], SamplingParams, int], list[list[Sample]]]
+
+
 def sample_and_score(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: Sequence[Example],
-                     params: SamplingParams, n: int,
-                     on_error: Callable[[str], None] | None = None) -> tuple[list, ScoredBatch]:
-    """``n`` samples per prompt (``samples[i][j]``) and their rewards, flat in that order. Responses
-    are decoded without special tokens, as the trainer decodes them for its rewards."""
-    samples = engine.generate([e.prompt_ids.tolist() for e in examples], params, n=n)
+                     params: SamplingParams, n: int, on_error: Callable[[str], None] | None = None,
+                     generate: Generate | None = None) -> tuple[list, ScoredBatch]:
+    """``n`` samples per prompt (``samples[i][j]``, from ``generate`` when given, else one engine
+    call) and their rewards, flat in that order. The model's tokens are decoded without special
+    tokens (a conversation's tool responses left out), as the trainer decodes them for its rewards."""
+    if generate is None:
+        samples = engine.generate([e.prompt_ids.tolist() for e in examples], params, n=n)
+    else:
+        samples = generate(examples, params, n)
     flat = [(e, s) for e, group in zip(examples, samples, strict=True) for s in group]
-    responses = [tokenizer.decode(s.output_ids, skip_special_tokens=True) for _, s in flat]
-    scored = router.score([e.prompt for e, _ in flat], responses, [s.output_ids.tolist() for _, s in flat],
+    responses = [tokenizer.decode(s.model_ids, skip_special_tokens=True) for _, s in flat]
+    scored = router.score([e.prompt for e, _ in flat], responses, [s.model_ids.tolist() for _, s in flat],
                           [e.row for e, _ in flat], on_error=on_error)
     return samples, scored
 
 
 def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: Sequence[Example],
              params: SamplingParams, n: int, ks: Sequence[int] = (), *, chunk_prompts: int | None = None,
-             on_error: Callable[[str], None] | None = None) -> EvalResult:
-    """Samples ``n`` completions per prompt, scores them, and returns the per-task and overall
-    avg@n and pass@k (``ks``, each at most ``n``). ``chunk_prompts``: prompts per engine call
-    (None: all at once), to bound the engine's batch."""
+             on_error: Callable[[str], None] | None = None, generate: Generate | None = None) -> EvalResult:
+    """Samples ``n`` completions per prompt (with ``generate``, as :func:`sample_and_score`), scores
+    them, and returns the per-task and overall avg@n and pass@k (``ks``, each at most ``n``).
+    ``chunk_prompts``: prompts per engine call (None: all at once), to bound the engine's batch."""
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
         raise ValueError(f"pass@k needs 1 <= k <= n (samples per prompt, {n}); got k={bad}")
@@ -140,7 +149,7 @@ def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: S
     scores, unparsable, tasks = [], [], []
     for start in range(0, len(examples), step):
         chunk = examples[start:start + step]
-        _, scored = sample_and_score(engine, router, tokenizer, chunk, params, n, on_error)
+        _, scored = sample_and_score(engine, router, tokenizer, chunk, params, n, on_error, generate)
         scores.append(scored.scores.reshape(len(chunk), n))
         unparsable.append(scored.unparsable.reshape(len(chunk), n))
         tasks.extend(scored.tasks[::n])

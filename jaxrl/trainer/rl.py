@@ -349,14 +349,23 @@ class RLTrainer:
     # ---------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float]:
         """Held-out reward, unparsable fraction and pass@``eval.k`` on ``data.eval_files``: the same
-        sampling and reward code as training, through ``jaxrl eval``'s (docs/evaluation.md)."""
+        sampling and reward code as training, through ``jaxrl eval``'s (docs/evaluation.md); with an
+        ``env`` section the held-out prompts are conversations too, and ``heldout/env/*`` their metrics."""
         if not self.eval_examples:
             return {}
         e = self.config.eval
+        played = []  # with an env section: the held-out conversations, for their heldout/env/* metrics
+
+        def conversations(examples, params, n):
+            samples = generate_conversations(self.engine, self.envs, examples, params, n)
+            played.extend(s for group in samples for s in group)
+            return samples
+
         result = evaluate(self.engine, self.router, self.tokenizer, self.eval_examples,
                           self._sampling(_seed(self.config.seed, -1), e.temperature), e.samples, e.k,
-                          on_error=self.errors.append)
-        return {**result.metrics("heldout"), **{f"heldout/{k}": v for k, v in self.router.take_metrics().items()}}
+                          on_error=self.errors.append, generate=conversations if self.envs is not None else None)
+        return {**result.metrics("heldout"), **{f"heldout/{k}": v for k, v in self.router.take_metrics().items()},
+                **{f"heldout/{k}": v for k, v in environment_metrics(played).items()}}
 
     # ---------------------------------------------------------------- checkpoints
     def _meta(self) -> dict:

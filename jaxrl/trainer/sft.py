@@ -1,11 +1,11 @@
 """Supervised fine-tuning on prompt/response pairs, with a length curriculum by stages.
 
 Same data, model, mesh, optimizer and checkpoint machinery as RL. The loss is the
-token-mean negative log-likelihood of the response tokens (prompt and padding
-masked out), normalised over the whole batch so gradient accumulation changes
-nothing. ``sft.stages`` is the length curriculum (Motif: 16K -> 32K -> 64K): stage
-``i`` trains ``steps`` steps on the pairs whose prompt + response fit in its
-``max_length``; pairs too long for every stage are skipped and counted.
+token-mean negative log-likelihood of the response tokens (prompt, padding and, in a
+multi-turn response, the environment's turns masked out), normalised over the whole
+batch so gradient accumulation changes nothing. ``sft.stages`` is the length curriculum
+(Motif: 16K -> 32K -> 64K): stage ``i`` trains ``steps`` steps on the pairs whose prompt +
+response fit in its ``max_length``; pairs too long for every stage are skipped and counted.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class SFTTrainer:
         stage = self.config.sft.stages[stage_index]
         length = sequence_row_length(stage.max_length - 1, self.mesh)
         pairs = StepBatch.pack([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
-                               self.tokenizer.pad_token_id)
+                               self.tokenizer.pad_token_id, model_masks=[e.response_mask for e in examples])
         sft = self.config.sft
         (batch,) = pairs.mini_batches(1, "token-mean", step, pack=sft.pack, micro_batches=sft.micro_batches,
                                       devices=batch_devices(self.mesh))

@@ -98,6 +98,23 @@ def test_sft_rows_need_a_response(tokenizer, tmp_path):
     examples, report = load_examples([path], DataConfig(), tokenizer, with_response=True)
     assert report.bad_by_reason == {"missing_field": 1}
     np.testing.assert_array_equal(examples[0].response_ids, tokenizer.encode("2", add_special_tokens=False) + [1])
+    np.testing.assert_array_equal(examples[0].response_mask, [1, 1])
+
+
+def test_sft_conversation_rows_train_on_the_model_turns_only(tokenizer, tmp_path):
+    turns = [{"role": "model", "text": "2*3"}, {"role": "environment", "text": "\n<6>\n"},
+             {"role": "model", "text": r"\boxed{6}"}]
+    bad = [[{"role": "environment", "text": "6"}], [{"role": "user", "text": "6"}], [{"role": "model", "text": ""}],
+           ["2*3"], []]
+    path = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "2*3=", "response": turns},
+                                           *({"prompt": "2*3=", "response": b} for b in bad)])
+    (example,), report = load_examples([path], DataConfig(), tokenizer, with_response=True)
+    assert report.bad_by_reason == {"empty_response": 2, "bad_turns": 3}
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    # Each model turn ends with eos, as the engine's turns do; the environment's text is not trained on.
+    np.testing.assert_array_equal(example.response_ids,
+                                  encode("2*3") + [1] + encode("\n<6>\n") + encode(r"\boxed{6}") + [1])
+    np.testing.assert_array_equal(example.response_mask, [1] * 4 + [0] * 5 + [1] * 4)
 
 
 def _examples(tokenizer, tmp_path, n):
