@@ -59,6 +59,26 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def stop_token_ids(tokenizer, model_path: str = "") -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's eos, then each ``eos_token_id`` (one id or a
+    list) of ``model_path``'s config.json and generation_config.json, e.g. Qwen3's ``<|im_end|>``
+    and ``<|endoftext|>``. SGLang stops on all of the model's own end-of-sequence ids whatever a
+    request asks (``jaxrl.rollout.sglang.client.sampling_payload``), so both engines are given
+    these, and stop at the same tokens."""
+    ids = [tokenizer.eos_token_id]
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(model_path, name) if model_path else ""
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue  # an unreadable config stops the model's own loading, with its own message
+        ids += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
+    return tuple(dict.fromkeys(ids))
+
+
 def encode_prompt(tokenizer, prompt: str, *, use_chat_template: bool = True,
                   system_prompt: str | None = None) -> list[int]:
     """Prompt text -> token ids; with the chat template (user turn + generation prompt) when it has one."""

@@ -77,7 +77,7 @@ class _Setup:
         self.router = self.engine = self.manager = None
 
     def start(self, examples_files: Sequence[str], max_prompts: int | None, batch: int):
-        from jaxrl.data import load_examples, load_tokenizer
+        from jaxrl.data import load_examples, load_tokenizer, stop_token_ids
         from jaxrl.models import make_mesh
         from jaxrl.rollout.config import make_engine
         from jaxrl.trainer.judges import build_reward_router
@@ -85,6 +85,7 @@ class _Setup:
 
         config = self.config
         self.tokenizer = load_tokenizer(config.data.tokenizer)
+        self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.hf_path)
         self.router = build_reward_router(config)
         examples, self.report = load_examples(examples_files, config.data, self.tokenizer,
                                               row_check=self.router.row_problem)
@@ -105,7 +106,7 @@ class _Setup:
         r = self.config.rollout
         return SamplingParams(temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
                               top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                              stop_token_ids=(self.tokenizer.eos_token_id,), seed=self.config.seed,
+                              stop_token_ids=self.stop_token_ids, seed=self.config.seed,
                               logprob_kind=r.logprob_kind)
 
     def close(self):

@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl import distributed
-from jaxrl.data import BatchIterator, load_examples, load_tokenizer
+from jaxrl.data import BatchIterator, load_examples, load_tokenizer, stop_token_ids
 from jaxrl.env import EnvRouter
 from jaxrl.evaluation import evaluate
 from jaxrl.models import make_mesh
@@ -80,6 +80,7 @@ class RLTrainer:
         self.errors: list[str] = []
         data = config.data
         self.tokenizer = load_tokenizer(data.tokenizer)
+        self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.hf_path)
         self.router = build_reward_router(config, judge_cache_path(config.output_dir))
         self.examples, self.data_report = load_examples(data.train_files, data, self.tokenizer,
                                                         row_check=self.router.row_problem)
@@ -169,7 +170,7 @@ class RLTrainer:
         r = self.config.rollout
         return SamplingParams(
             temperature=r.temperature if temperature is None else temperature, top_p=r.top_p, top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed,
+            max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_token_ids, seed=seed,
             logprob_kind=r.logprob_kind, **changes,
         )
 

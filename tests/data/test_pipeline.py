@@ -10,6 +10,7 @@ import pytest
 
 from jaxrl.data import (
     AllRowsBadError, BatchIterator, DataConfig, encode_prompt, load_examples, load_tokenizer, make_char_tokenizer,
+    stop_token_ids,
 )
 from jaxrl.errors import InputError
 
@@ -37,6 +38,15 @@ def test_char_tokenizer_round_trip(tokenizer):
     assert len(ids) == 9
     assert tokenizer.decode(ids) == r"12+7=\boxed{19}"
     assert tokenizer.eos_token_id == 1 and tokenizer.pad_token_id == 0
+
+
+def test_stop_ids_are_the_tokenizers_eos_and_the_models_own(tokenizer, tmp_path):
+    """The tokenizer's eos (1), then each eos_token_id of the model folder's config.json and
+    generation_config.json (one id or a list), once each; no folder, or files without one: eos only."""
+    assert stop_token_ids(tokenizer) == (1,) and stop_token_ids(tokenizer, str(tmp_path)) == (1,)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 9, 7]}))
+    assert stop_token_ids(tokenizer, str(tmp_path)) == (1, 7, 9)
 
 
 def test_jsonl_and_parquet_give_same_examples(tokenizer, tmp_path):

@@ -281,3 +281,27 @@ def test_sft_resume_across_a_stage_boundary(files, tmp_path):
     for a, b in zip(straight, resumed, strict=True):
         np.testing.assert_array_equal(a, b)
     assert [r["sft/stage"] for r in read_jsonl(str(tmp_path / "half" / "metrics.jsonl"))] == [0, 0, 1, 1]
+
+
+def test_the_embedded_sampler_stops_at_the_models_own_eos_ids(files, tmp_path):
+    """A model folder whose generation_config.json lists another end-of-sequence id beside the
+    tokenizer's (as Qwen3's lists <|endoftext|> beside <|im_end|>): the trainer's rollouts stop
+    at either, as SGLang would on the same folder."""
+    from jaxrl.data import load_tokenizer
+    from jaxrl.models import ModelConfig
+    from jaxrl.rollout.sglang.testing import write_random_checkpoint
+
+    tokenizer = load_tokenizer(files["tokenizer"])
+    digit = tokenizer.convert_tokens_to_ids("5")
+    path = tmp_path / "hf"
+    write_random_checkpoint(str(path), ModelConfig(**ARCHITECTURE), seed=0, matrix_scale=1.0)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, digit]}))
+    trainer = RLTrainer(make_config(files, tmp_path / "run", steps=1, model={"hf_path": str(path)}))
+    try:
+        assert trainer._sampling(seed=0).stop_token_ids == (tokenizer.eos_token_id, digit)
+        samples = trainer._rollout(trainer.examples[:4], seed=0, n=4)
+    finally:
+        trainer.close()
+    outputs = [s.output_ids.tolist() for group in samples for s in group]
+    assert all(digit not in out[:-1] for out in outputs)
+    assert any(out[-1] == digit for out in outputs)
