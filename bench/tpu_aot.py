@@ -44,7 +44,12 @@ def main():
             print(done.stdout, flush=True)
             if done.returncode not in (0, 1):
                 print(done.stderr[-2000:])
-                lines.append(f"TARGET {config}: compile failed with status {done.returncode} (goal fits) missed")
+                # A negative status is a signal: SIGKILL (-9) is how the kernel's OOM killer ends a compile
+                # that needs more host memory than this machine has.
+                why = (f"killed by signal {-done.returncode}" + (" (host out of memory?)" if done.returncode == -9
+                                                                  else "")) if done.returncode < 0 \
+                    else f"status {done.returncode}"
+                lines.append(f"TARGET {config} on {topology}: compile failed, {why} (goal fits) missed")
                 continue
             with open(path) as f:
                 report = json.load(f)

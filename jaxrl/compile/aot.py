@@ -85,6 +85,7 @@ class Compiled:
     xla_flops: float
     compile_seconds: float
     refused: str = ""  # XLA's own out-of-memory message when it refused to compile (temp_bytes: what it asked for)
+    kernels: tuple[str, ...] = ()  # the Mosaic (Pallas) kernels in the compiled program: mosaic_kernels()
 
     @property
     def total_bytes(self) -> int:
@@ -111,6 +112,13 @@ def matmul_params(c: ModelConfig) -> float:
         c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size)
     mlps = sum(moe if kind == "moe" else dense for kind in (c.mlp_types or ("dense",) * c.num_layers))
     return c.num_layers * attention + mlps + c.hidden_size * c.vocab_size
+
+
+def grouped_expert_params(c: ModelConfig) -> float:
+    """The part of :func:`matmul_params` a token multiplies by in the routed experts' grouped
+    matmuls: on TPU the megablox ``gmm`` / ``tgmm`` Pallas kernels, which XLA does not count."""
+    moe_layers = sum(kind == "moe" for kind in (c.mlp_types or ()))
+    return moe_layers * 3.0 * c.hidden_size * c.num_experts_per_tok * c.moe_intermediate_size
 
 
 def attention_flops(c: ModelConfig, sequences: int, length: int) -> float:
@@ -177,19 +185,22 @@ def rl_step_programs(config: TrainConfig, model_config: ModelConfig, devices: li
     n, impl = matmul_params(c), resolve_attention_impl(c.attention_impl, "tpu", length=length,
                                                         block_size=c.attention_block_size)
     splash = impl == "splash"
+    experts = grouped_expert_params(c)  # TPU runs every MoE layer's experts through gmm
     rows = shapes["update_rows"]
     train_attention = (1 + BACKWARD_ATTENTION) * attention_flops(c, rows, length)
     programs = [Program(
         "train_step", f"optimizer step: {rows} rows x {length} tokens in {config.update.micro_batches} micro-batches, "
         f"remat {c.remat}, attention {impl}",
         lambda: step.lower(state, batch), model_flops=6.0 * n * rows * length + train_attention,
-        kernel_flops=train_attention if splash else 0.0, min_hbm_bytes=2 * state_bytes, resident_bytes=held)]
+        kernel_flops=(train_attention if splash else 0.0) + 6.0 * experts * rows * length,
+        min_hbm_bytes=2 * state_bytes, resident_bytes=held)]
     scorer = LogprobScorer(graphdef, mesh, shapes["score_rows"], config.update.logprob_chunk_size,
                            devices=batch_devices(mesh))
     score_rows = shapes["score_rows"]
     score_attention = attention_flops(c, score_rows, length)
     score = dict(model_flops=2.0 * n * score_rows * length + score_attention,
-                 kernel_flops=score_attention if splash else 0.0, min_hbm_bytes=param_bytes,
+                 kernel_flops=(score_attention if splash else 0.0) + 2.0 * experts * score_rows * length,
+                 min_hbm_bytes=param_bytes,
                  resident_bytes=state_bytes - param_bytes + held)
     if not objective.bypass:
         programs.append(Program("old_logprob_scorer", f"old_logp recompute: {score_rows} rows x {length} tokens a call",
@@ -227,13 +238,26 @@ def _sampler_programs(config, c: ModelConfig, graphdef, state, mesh, shapes, par
             name, f"one call: prefill {prompt_rows} prompts x {prompt_bucket} + decode loop {rows} rows x {steps} "
             "tokens",
             lambda s=sequences, d=distinct: sampler.lower(s, d, config.data.max_prompt_tokens, r.max_new_tokens),
-            model_flops=prefill + decode, min_hbm_bytes=float(steps) * param_bytes, resident_bytes=resident))
+            model_flops=prefill + decode, min_hbm_bytes=float(steps) * param_bytes, resident_bytes=resident,
+            kernel_flops=2.0 * grouped_expert_params(c) * (prompt_rows * prompt_bucket + steps * rows)))
     return programs
 
 
 # XLA:TPU refuses a program whose buffers exceed the chip's HBM: "... required for HLO temporaries (125.68G)
 # exceeds available HBM (95.74G)"; the figures (GiB) are what it needed and had.
 _OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", re.S)
+
+
+# A Pallas kernel compiled for TPU is an HLO custom call to "tpu_custom_call"; XLA names the instruction
+# after the kernel: "%gmm.1 = ... custom-call(...), custom_call_target="tpu_custom_call"".
+_KERNEL_CALL = re.compile(r'^\s*(?:ROOT\s+)?%([\w.-]+?)(?:\.\d+)?\s*=.*custom_call_target="tpu_custom_call"', re.M)
+
+
+def mosaic_kernels(hlo_text: str) -> tuple[str, ...]:
+    """The distinct Mosaic (Pallas) kernels a compiled TPU program calls, by the names XLA gives
+    their instructions (``gmm``, ``tgmm``, ``splash_mqa_fwd_segmented_no_residuals``, ...), from
+    the compiled HLO: the evidence that a kernel survived compilation, not only lowering."""
+    return tuple(sorted(set(_KERNEL_CALL.findall(hlo_text))))
 
 
 def compile_programs(programs: list[Program], on_done: Callable[[Compiled], None] | None = None) -> list[Compiled]:
@@ -262,7 +286,8 @@ def compile_programs(programs: list[Program], on_done: Callable[[Compiled], None
                 results[program.name] = Compiled(
                     program, memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.alias_size_in_bytes,
                     memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
-                    float((cost or {}).get("flops", 0.0)), time.perf_counter() - start)
+                    float((cost or {}).get("flops", 0.0)), time.perf_counter() - start,
+                    kernels=mosaic_kernels(compiled.as_text()))
         if on_done is not None:
             on_done(results[program.name])
     return list(results.values())

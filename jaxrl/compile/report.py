@@ -131,7 +131,8 @@ NOTES = (
     "copy); total = args + out + temp + code + held.",
     "XLA TFLOP: compiled.cost_analysis() per device; XLA counts a loop body once (the micro-batch scan, the "
     "decode while-loop, the chunked LM head) and not at all custom calls such as Pallas kernels. kernel: the "
-    "splash-attention kernels' FLOPs, analytic (causal forward 2*B*H*T^2*D per layer, backward 2.5x). model: "
+    "Pallas kernels' FLOPs, analytic: splash attention (causal forward 2*B*H*T^2*D per layer, backward 2.5x) and "
+    "the MoE experts' gmm/tgmm (2 x tokens x k x 3*D*I per MoE layer forward, 2x that backward). model: "
     "analytic matmul (6N per trained token, 2N per scored or decoded one) + attention FLOPs per device.",
     "roofline: max(max(XLA + kernel, model) FLOPs / peak, unavoidable HBM bytes / bandwidth): the train step "
     "reads and writes its state, a scorer reads the weights, each decode step re-reads the weights (KV cache "
@@ -154,6 +155,7 @@ def as_json(config_path: str, model_source: str, target: Target, results: list[C
             "xla_flops": r.xla_flops, "kernel_flops_per_device": r.program.kernel_flops / target.devices,
             "model_flops_per_device": r.program.model_flops / target.devices,
             "roofline_seconds": roofline_seconds(r, target), "compile_seconds": r.compile_seconds,
+            "kernels": list(r.kernels),
         } for r in results],
     }
 

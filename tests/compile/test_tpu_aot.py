@@ -3,8 +3,9 @@
 Each test runs the command in ``.venv-tpu``'s interpreter, as a user would: a demo-size dense model
 and a small Qwen3-MoE compile every program of an RL step (train step with micro-batches and remat,
 scorers, embedded sampler) for v5e and v5p slices over data, fsdp, tensor and expert axes, with the
-Pallas splash-attention kernel inside ``shard_map`` and ``ragged_dot`` (the grouped expert matmul) for
-the TPU; an oversized model is refused with exit 1 and the keys that would help.
+Pallas kernels in the compiled programs (splash attention inside ``shard_map``; the experts' megablox
+``gmm`` forward and ``tgmm`` weight gradient), and each model's train step compiles for the other
+topology too; an oversized model is refused with exit 1 and the keys that would help.
 """
 
 import json
@@ -24,6 +25,10 @@ pytestmark = pytest.mark.skipif(not TPU_PYTHON.exists(), reason="run scripts/set
 ARCHITECTURE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=32, max_position_embeddings=512)
 MOE = dict(ARCHITECTURE, mlp_types=["moe", "moe"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+# The splash kernels by the start of the names XLA gives them in the compiled HLO
+# (jaxrl.compile.aot.mosaic_kernels): splash_mqa_fwd_segmented_no_residuals, ...
+SPLASH_FORWARD = ("splash_mqa_fwd",)
+SPLASH_BACKWARD = ("splash_mqa_dq", "splash_mqa_dkv")
 
 
 def _config(tmp_path, architecture, mesh, evaluate: bool = False, **sections) -> str:
@@ -61,6 +66,11 @@ def _programs(report: dict) -> dict:
     return {p["name"]: p for p in report["programs"]}
 
 
+def _has_kernels(program: dict, *prefixes: str) -> bool:
+    """Whether the compiled program calls, for each prefix, a Mosaic kernel whose name starts with it."""
+    return all(any(k.startswith(prefix) for k in program["kernels"]) for prefix in prefixes)
+
+
 def test_dense_model_compiles_for_v5e_over_fsdp_and_tensor(tmp_path):
     config = _config(tmp_path, ARCHITECTURE, {"fsdp": 2, "tensor": 2},
                      objective={"kl_kind": "k3-as-loss", "kl_coef": 0.01})
@@ -69,8 +79,12 @@ def test_dense_model_compiles_for_v5e_over_fsdp_and_tensor(tmp_path):
     programs = _programs(report)
     assert report["chip"]["name"] == "v5e" and report["devices"] == 4 and report["fits"]
     assert set(programs) == {"train_step", "old_logprob_scorer", "reference_scorer", "sampler"}
-    # T = 64 + 192 - 1 = 255 > one 128 block: the splash kernel runs (and XLA does not count its FLOPs).
+    # T = 64 + 192 - 1 = 255 > one 128 block: the splash kernels are in the compiled programs (and XLA
+    # does not count their FLOPs), forward and backward in the train step.
     assert "attention splash" in programs["train_step"]["what"]
+    print({name: program["kernels"] for name, program in programs.items()})
+    assert _has_kernels(programs["old_logprob_scorer"], *SPLASH_FORWARD)
+    assert _has_kernels(programs["train_step"], *SPLASH_FORWARD, *SPLASH_BACKWARD)
     assert programs["train_step"]["kernel_flops_per_device"] > 0
     assert programs["old_logprob_scorer"]["kernel_flops_per_device"] > 0
     for program in programs.values():
@@ -85,8 +99,30 @@ def test_moe_model_compiles_for_v5p_over_data_fsdp_and_expert(tmp_path):
     done, report = _compile(config, "v5p:2x2x2", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert report["chip"]["name"] == "v5p" and report["devices"] == 8 and report["fits"]
-    assert {"train_step", "old_logprob_scorer", "sampler"} <= set(_programs(report))
+    programs = _programs(report)
+    assert {"train_step", "old_logprob_scorer", "sampler"} <= set(programs)
     assert "fits: smallest headroom" in done.stdout
+    # The experts run in megablox kernels: gmm forward everywhere, tgmm (the weight gradient) in the step.
+    print({name: program["kernels"] for name, program in programs.items()})
+    assert _has_kernels(programs["train_step"], "gmm", "tgmm")
+    assert _has_kernels(programs["old_logprob_scorer"], "gmm") and _has_kernels(programs["sampler"], "gmm")
+    # Their FLOPs are added analytically: 2 x tokens x k x 3*D*I per MoE layer forward, 2x backward.
+    rows, length = 8 * 4 // 2, 64 + 192 - 1
+    experts = 2 * 3 * MOE["hidden_size"] * MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"]
+    assert programs["train_step"]["kernel_flops_per_device"] >= 6 * experts * rows * length / 8
+
+
+@pytest.mark.parametrize("architecture, topology, mesh", [
+    (ARCHITECTURE, "v5p:2x2x2", {"data": 2, "fsdp": 2, "tensor": 2}),
+    (MOE, "v5e:2x2", {"fsdp": 2, "expert": 2}),
+], ids=["dense-v5p", "moe-v5e"])
+def test_each_models_train_step_compiles_for_the_other_topology(tmp_path, architecture, topology, mesh):
+    done, report = _compile(_config(tmp_path, architecture, mesh), topology, tmp_path, "--only", "train_step")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert report["fits"] and report["devices"] == (8 if topology.startswith("v5p") else 4)
+    train_step = _programs(report)["train_step"]
+    assert _has_kernels(train_step, *SPLASH_FORWARD, *SPLASH_BACKWARD)
+    assert ("moe" in architecture.get("mlp_types", ())) == _has_kernels(train_step, "gmm", "tgmm")
 
 
 def test_oversized_model_is_refused_with_the_keys_that_help(tmp_path):
