@@ -92,7 +92,9 @@ def check_fresh_start(output_dir: str, checkpoint_directory: str, *, resume: boo
 
 
 def clear_previous_run(output_dir: str, checkpoint_directory: str) -> None:
-    """Deletes an earlier run's metrics, TensorBoard events, plots, batch dumps, judge cache and checkpoints."""
+    """Deletes an earlier run's metrics, TensorBoard events, plots, batch dumps, judge cache and
+    checkpoints; says so when there was a run (metrics or checkpoints) to delete."""
+    found = previous_run(output_dir, checkpoint_directory)
     for name in _RUN_OUTPUTS:
         path = os.path.join(output_dir, name)
         if os.path.isdir(path):
@@ -107,8 +109,9 @@ def clear_previous_run(output_dir: str, checkpoint_directory: str) -> None:
             path.rmtree()
     elif checkpoint_directory and os.path.isdir(checkpoint_directory):
         shutil.rmtree(checkpoint_directory)
-    log.warning("--overwrite: deleted the earlier run in %s%s", output_dir,
-                f" and {checkpoint_directory}" if checkpoint_directory else "")
+    if found:
+        log.warning("--overwrite: deleted the earlier run in %s%s", output_dir,
+                    f" and {checkpoint_directory}" if checkpoint_directory else "")
 
 
 class StopSignals:

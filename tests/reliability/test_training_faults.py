@@ -16,7 +16,7 @@ from jaxrl.rollout.base import PushVerificationError
 from jaxrl.trainer.checkpoint import CheckpointSaveError
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.guard import NonFiniteUpdateError
-from jaxrl.trainer.lifecycle import RunExistsError
+from jaxrl.trainer.lifecycle import RunExistsError, clear_previous_run
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.rl import RLTrainer
 from jaxrl.trainer.sft import SFTTrainer
@@ -234,6 +234,20 @@ def test_a_fresh_start_never_destroys_an_earlier_run(run_config, tmp_path):
     finally:
         trainer.close()
     assert [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1]
+
+
+def test_overwrite_says_it_deleted_a_run_only_when_there_was_one(tmp_path, caplog):
+    """Before: every overwriting start warned "deleted the earlier run", fresh folders too
+    (each cell of an experiment grid printed it)."""
+    with caplog.at_level(logging.WARNING):
+        clear_previous_run(str(tmp_path / "fresh"), "")
+    assert not caplog.records
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 1}\n')
+    with caplog.at_level(logging.WARNING):
+        clear_previous_run(str(tmp_path / "old"), "")
+    assert [r.getMessage() for r in caplog.records] == [f"--overwrite: deleted the earlier run in {tmp_path / 'old'}"]
+    assert not (tmp_path / "old" / "metrics.jsonl").exists()
 
 
 def test_a_torn_metrics_line_never_blocks_resume(tmp_path, caplog):
