@@ -20,6 +20,7 @@ first turn's noise (the sampler's noise depends on the seed and the row's place 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 from typing import Mapping, Sequence
@@ -100,7 +101,8 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Environment], rows: Seque
     if len(envs) != len(rows):
         raise ValueError(f"run_episodes: {len(envs)} environments for {len(rows)} rows; give one per row")
     episodes = [Episode(env.reset(row), row) for env, row in zip(envs, rows, strict=True)]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="jaxrl-env") as pool:
+    with (concurrent.futures.ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="jaxrl-env") as pool,
+          _ending(engine)):
         turn = 0
         while True:
             active = [i for i, e in enumerate(episodes) if not e.done]
@@ -117,6 +119,16 @@ def run_episodes(engine: RolloutEngine, envs: Sequence[Environment], rows: Seque
                 _apply(envs[i], episodes[i], result)
             turn += 1
     return EpisodeBatch(episodes, episode_metrics(episodes))
+
+
+@contextlib.contextmanager
+def _ending(engine: RolloutEngine):
+    """Tells the engine when the episodes are over (however they end), so it frees what it kept
+    between turns."""
+    try:
+        yield
+    finally:
+        engine.end_conversations()
 
 
 def _advance(engine: RolloutEngine, envs, episodes: list[Episode], active: list[int], params: SamplingParams,

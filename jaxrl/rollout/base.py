@@ -217,6 +217,11 @@ class RolloutEngine(abc.ABC):
         samples = self.generate([c.token_ids.tolist() for c in conversations], params, n=1)
         return [c.add_model_turn(s[0]) for c, s in zip(conversations, samples, strict=True)]
 
+    def end_conversations(self) -> None:
+        """Called when every conversation of a multi-turn rollout has ended: an engine that keeps
+        state between turns (the embedded sampler's kept KV cache) releases it. No-op here."""
+        return None
+
     @abc.abstractmethod
     def update_weights(self, params, version: str) -> dict[str, float] | None:
         """Loads new weights (the learner's parameter state) and sets the version.

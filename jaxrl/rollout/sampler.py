@@ -61,13 +61,13 @@ import numpy as np
 from jaxrl import distributed
 from jaxrl.errors import needs_extra
 from jaxrl.models.sharding import batch_shardings
-from jaxrl.rollout import noise
-from jaxrl.rollout.base import LogprobKind, RolloutEngine, Sample, SamplingParams
+from jaxrl.rollout.base import Conversation, LogprobKind, RolloutEngine, Sample, SamplingParams
+from jaxrl.rollout.decode import decode_loop, forget_unwritten, processed_logits, row_keys, sample_step
+from jaxrl.rollout.turn_cache import Continuation, TurnCache, continue_jit, keeps_turns
 
 with needs_extra("jaxrl.rollout.sampler"):
     from flax import nnx
 
-F32 = jnp.float32
 # Stop ids travel as a fixed-size array (-1 = unused) so their number never recompiles.
 MAX_STOP_IDS = 16
 
@@ -76,83 +76,8 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def processed_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """The logits of the distribution sampled from, -inf outside the top-k/top-p support.
-
-    logits: [B, V] float32; temperature (> 0), top_k (0 = off), top_p ((0, 1], 1 = off): scalars
-    (traced or Python). Returns [B, V] float32 ``logits / temperature`` with filtered tokens at -inf.
-
-    The support is the first ``n`` tokens in the order (value descending, lower id first on
-    ties), ``n`` the number of sorted positions inside both top-k and top-p. Only the values
-    are sorted (an int32 sort of order-preserving keys, about 6x faster than a float sort on
-    XLA:CPU); the support is then ``value > v_n`` plus the lowest-id ties of ``v_n``, so no
-    permutation is built or scattered back.
-    """
-    vocab = logits.shape[-1]
-    scaled = logits.astype(F32) / temperature
-    sorted_desc = _sorted_descending(scaled)
-    rank = jnp.arange(vocab)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    in_top_k = rank < k
-    sorted_probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    in_top_p = (mass_before < top_p) | (top_p >= 1.0)
-    kept = jnp.maximum(jnp.sum(in_top_k & in_top_p, axis=-1, keepdims=True), 1)  # [B, 1]
-    threshold = jnp.take_along_axis(sorted_desc, kept - 1, axis=-1)
-    above, tied = scaled > threshold, scaled == threshold
-    room = kept - jnp.sum(above, axis=-1, keepdims=True)
-    keep = above | (tied & (jnp.cumsum(tied, axis=-1) <= room))
-    return jnp.where(keep, scaled, -jnp.inf)
-
-
-def _sorted_descending(x: jax.Array) -> jax.Array:
-    """x [B, V] float32 sorted descending along the last axis, via int32 keys whose order is the
-    float order (negative floats get their magnitude bits flipped)."""
-    flip = jnp.int32(0x7FFFFFFF)
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    keys = jnp.sort(jnp.where(bits < 0, bits ^ flip, bits), axis=-1)[:, ::-1]
-    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ flip, keys), F32)
-
-
-def first_argmax(x: jax.Array) -> jax.Array:
-    """``argmax`` over the last axis, the lowest index on ties, via a max and a min reduction."""
-    top = jnp.max(x, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1]), x.shape[-1]), axis=-1)
-
-
-def sample_step(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p):
-    """Draws one token per row. logits [B, V] float32, keys [B, 2] uint32 raw PRNG keys.
-
-    Returns (tokens [B] int32, raw logprob [B] float32, processed logprob [B] float32).
-    """
-    logits = logits.astype(F32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    greedy = temperature <= 0
-    safe_temperature = jnp.where(greedy, 1.0, temperature)
-    # The sort behind top-k/top-p costs O(V log V) per row and step: skipped when both are off.
-    filtered = jax.lax.cond((top_k > 0) | (top_p < 1.0),
-                            lambda: processed_logits(logits, safe_temperature, top_k, top_p),
-                            lambda: logits / safe_temperature)
-    # Gumbel-max as jax.random.categorical draws (the same noise, so the same tokens), with the
-    # noise hashed in one fusion (jaxrl.rollout.noise) and the argmax as two plain reductions:
-    # on XLA:CPU jax's rolled hash loop and the (value, index) argmax reduction each cost about
-    # as much as a small model's forward in a decode step.
-    drawn = first_argmax(filtered + noise.gumbel(keys, logits.shape[-1]))
-    tokens = jnp.where(greedy, first_argmax(logits), drawn).astype(jnp.int32)
-    processed = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), tokens[:, None], axis=-1)[:, 0]
-    raw_token = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-    return tokens, raw_token, jnp.where(greedy, 0.0, processed)
-
-
-@jax.jit
-def _row_keys(seed, job):
-    """PRNG key of sample job[r, 1] of prompt job[r, 0]: independent of batching."""
-    base = jax.random.PRNGKey(seed)
-    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(job[:, 0], job[:, 1])
-
-
 def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, temperature, top_k, top_p,
-              stop_ids, max_new_tokens, *, new_token_bucket: int, cache_len: int):
+              stop_ids, max_new_tokens, *, new_token_bucket: int, cache_len: int, keep_cache: bool = False):
     """Prefill + decode loop. prompt_ids [U, P] the distinct prompts, left-padded, of
     prompt_lengths [U] tokens; rows [B]: the prompt of each sequence, -1 for padding rows (the
     samples of one prompt share its prefill: its cache rows are copied, not recomputed);
@@ -161,9 +86,10 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, tempe
     Left padding keeps recurrent (linear-attention) state exact: padding is zeroed at the input,
     so a zero state stays zero until the first real token, and every row writes its decode
     tokens at the same cache row P + step (positions still count from each row's first token).
-    Returns tokens, raw and processed logprobs [B, N], lengths [B], stopped [B], routed experts
+    Returns (tokens, raw and processed logprobs [B, N], lengths [B], stopped [B], routed experts
     [B, N, L_moe, k] and the prefill's routed experts [B, P, L_moe, k] (both None for dense
-    models), N = new_token_bucket.
+    models)), N = new_token_bucket, and with ``keep_cache`` the cache after the call (rows
+    past each sequence's tokens marked empty) for ``jaxrl.rollout.turn_cache``, else None.
     """
     model = nnx.merge(graphdef, state)
     prompt_bucket = prompt_ids.shape[1]
@@ -185,42 +111,15 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, tempe
         first = prompt_routes[:, -1]
         routes = jnp.zeros((batch, new_token_bucket) + first.shape[1:], jnp.int32).at[:, 0].set(first)
 
-    tokens = jnp.zeros((batch, new_token_bucket), jnp.int32)
-    raw = jnp.zeros((batch, new_token_bucket), F32)
-    processed = jnp.zeros((batch, new_token_bucket), F32)
-    done = prompt_lengths == 0
-    lengths = jnp.zeros((batch,), jnp.int32)
-
-    def keep_going(carry):
-        step, _, _, done, *_ = carry
-        return (step < max_new_tokens) & ~jnp.all(done)
-
-    def body(carry):
-        step, logits, cache, done, lengths, tokens, raw, processed, routes = carry
-        keys = noise.fold_in(row_keys, step)
-        token, raw_lp, proc_lp = sample_step(logits, keys, temperature, top_k, top_p)
-        live = ~done
-        tokens = tokens.at[:, step].set(jnp.where(live, token, 0))
-        raw = raw.at[:, step].set(jnp.where(live, raw_lp, 0.0))
-        processed = processed.at[:, step].set(jnp.where(live, proc_lp, 0.0))
-        lengths = lengths + live.astype(jnp.int32)
-        done = done | jnp.isin(token, stop_ids)
-        position = (prompt_lengths + step)[:, None]
-        out = model(token[:, None], position, jnp.ones_like(position), cache=cache)
-        if routes is not None:
-            nxt = jnp.minimum(step + 1, new_token_bucket - 1)
-            routes = routes.at[:, nxt].set(jnp.where((step + 1 < new_token_bucket), out.routed_experts[:, 0],
-                                                     routes[:, nxt]))
-        logits = model.head(out.hidden)[:, 0]
-        return step + 1, logits, out.cache, done, lengths, tokens, raw, processed, routes
-
-    carry = (jnp.zeros((), jnp.int32), logits, cache, done, lengths, tokens, raw, processed, routes)
-    _, _, _, done, lengths, tokens, raw, processed, routes = jax.lax.while_loop(keep_going, body, carry)
-    return tokens, raw, processed, lengths, done, routes, prompt_routes
+    tokens, raw, processed, lengths, done, routes, cache = decode_loop(
+        model, logits, cache, prompt_lengths, prompt_lengths == 0, row_keys, temperature, top_k, top_p, stop_ids,
+        max_new_tokens, routes, new_token_bucket=new_token_bucket)
+    kept = forget_unwritten(cache, prompt_bucket, lengths) if keep_cache else None
+    return (tokens, raw, processed, lengths, done, routes, prompt_routes), kept
 
 
 # One jit for every sampler instance: samplers of equal models share compiled buckets.
-_generate_jit = jax.jit(_generate, static_argnums=(0,), static_argnames=("new_token_bucket", "cache_len"))
+_generate_jit = jax.jit(_generate, static_argnums=(0,), static_argnames=("new_token_bucket", "cache_len", "keep_cache"))
 
 
 class JaxSampler(RolloutEngine):
@@ -232,13 +131,17 @@ class JaxSampler(RolloutEngine):
     max_batch: most sequences per jitted call (larger requests are split).
     min_prompt_bucket: smallest prompt-length bucket.
     mesh: the learner's mesh, or None on one device.
+    keep_turns: keep the cache between ``continue_conversations`` calls, so that a model turn
+      reads only the tokens appended since the last (``jaxrl.rollout.turn_cache``; False reads
+      every conversation afresh). ``turn_calls`` counts the calls that continued a kept cache
+      ("continued") and those that read afresh ("fresh").
     """
 
     holds_references = True
 
     def __init__(self, model: nnx.Module, *, max_cache_len: int | None = None, max_batch: int = 64,
                  min_prompt_bucket: int = 16, mesh: jax.sharding.Mesh | None = None,
-                 weight_version: str = "0"):
+                 weight_version: str = "0", keep_turns: bool = True):
         config = model.config
         self.max_cache_len = int(max_cache_len or config.max_position_embeddings)
         if self.max_cache_len > config.max_position_embeddings:
@@ -254,6 +157,9 @@ class JaxSampler(RolloutEngine):
         self.mesh = mesh
         self._graphdef, self._state = nnx.split(model)
         self._version = str(weight_version)
+        self.keep_turns = keep_turns and keeps_turns(config)
+        self._turns: TurnCache | None = None
+        self.turn_calls = {"continued": 0, "fresh": 0}
 
     # ------------------------------------------------------------------ weights
     @property
@@ -285,6 +191,7 @@ class JaxSampler(RolloutEngine):
                                  f"{jnp.result_type(old)}")
         self._state = params
         self._version = str(version)
+        self._turns = None
 
     # ------------------------------------------------------------------ generation
     def _check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[np.ndarray]:
@@ -314,19 +221,82 @@ class JaxSampler(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> list[list[Sample]]:
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self._state)):
-            # A train step that donates its state deletes the arrays the sampler holds by reference.
-            raise RuntimeError(f"the sampler's weights (version {self._version!r}) were deleted, most likely "
-                               "donated to the learner's update step; call update_weights(new_state, version) "
-                               "with the updated state before generating")
+        self._check_weights()
         arrays = self._check_prompts(prompts, params)
         jobs = [(i, j) for i in range(len(arrays)) for j in range(n)]
         results: list[list[Sample | None]] = [[None] * n for _ in arrays]
         for start in range(0, len(jobs), self.max_batch):
             chunk = jobs[start:start + self.max_batch]
-            for (i, j), sample in zip(chunk, self._run([arrays[i] for i, _ in chunk], chunk, params), strict=True):
+            for (i, j), sample in zip(chunk, self._run([arrays[i] for i, _ in chunk], chunk, params)[0], strict=True):
                 results[i][j] = sample
         return results  # type: ignore[return-value]
+
+    def continue_conversations(self, conversations: Sequence[Conversation],
+                               params: SamplingParams) -> list[Conversation]:
+        """One more model turn for each conversation; with ``keep_turns``, from the cache the
+        last call kept when every conversation continues one of its rows (module doc of
+        ``jaxrl.rollout.turn_cache``), else by reading the conversations afresh."""
+        if not self.keep_turns or len(conversations) > self.max_batch:
+            return super().continue_conversations(conversations, params)
+        self._check_weights()
+        prompts = self._check_prompts([c.token_ids for c in conversations], params)
+        plan = None if self._turns is None else self._turns.plan(conversations, self._version)
+        samples, kept = (None, None) if plan is None else self._continue(plan, prompts, params)
+        self.turn_calls["fresh" if kept is None else "continued"] += 1
+        if kept is None:
+            samples, kept = self._run(prompts, [(i, 0) for i in range(len(prompts))], params, keep_cache=True)
+        self._turns = TurnCache.after(kept, prompts, [s.output_ids for s in samples], self._version)
+        return [c.add_model_turn(s) for c, s in zip(conversations, samples, strict=True)]
+
+    def end_conversations(self) -> None:
+        """Frees the kept cache (the rollout's conversations have all ended)."""
+        self._turns = None
+
+    def _continue(self, plan: Continuation, prompts: list[np.ndarray], params: SamplingParams):
+        """(samples, kept cache) of one call that continues the kept cache along ``plan``, or
+        (None, None) when the grown cache would not fit ``max_cache_len``."""
+        rows, width = _bucket(len(prompts), 1), _bucket(max(c.size for c in plan.chunks), 1)
+        new_bucket = _bucket(params.max_new_tokens, 1)
+        kept = self._turns.cache
+        need = self._turns.index + width + new_bucket
+        if need > self.max_cache_len:
+            return None, None
+        cache_len = max(kept.segment_ids.shape[1], min(_bucket(need, 1), self.max_cache_len))
+        take = np.zeros(rows, np.int32)
+        take[:len(prompts)] = plan.take
+        chunk_ids = np.zeros((rows, width), np.int32)
+        chunk_lengths = np.zeros(rows, np.int32)
+        for r, chunk in enumerate(plan.chunks):
+            chunk_ids[r, width - chunk.size:] = chunk
+            chunk_lengths[r] = chunk.size
+        base = np.zeros(rows, np.int32)
+        base[:len(prompts)] = plan.base
+        job = np.zeros((rows, 2), np.int32)
+        job[:len(prompts), 0] = np.arange(len(prompts))
+        args = (take, chunk_ids, chunk_lengths, base, row_keys(np.uint32(params.seed), job))
+        if self.mesh is not None:
+            args = jax.device_put(args, batch_shardings(args, self.mesh))
+        outputs, kept = self._call(lambda: continue_jit(
+            self._graphdef, self._state, kept, *args, *self._scalars(params), new_token_bucket=new_bucket,
+            cache_len=cache_len))
+        tokens, raw, processed, lengths, stopped = jax.device_get(outputs)
+        return self._samples(prompts, params, tokens, raw, processed, lengths, stopped), kept
+
+    def _check_weights(self) -> None:
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self._state)):
+            # A train step that donates its state deletes the arrays the sampler holds by reference.
+            raise RuntimeError(f"the sampler's weights (version {self._version!r}) were deleted, most likely "
+                               "donated to the learner's update step; call update_weights(new_state, version) "
+                               "with the updated state before generating")
+
+    @staticmethod
+    def _scalars(params: SamplingParams) -> tuple:
+        """The sampling settings as traced host scalars (numpy, not jnp: no per-call dispatch of
+        tiny conversion programs), so changing them never recompiles."""
+        stop = np.full(MAX_STOP_IDS, -1, np.int32)
+        stop[:len(params.stop_token_ids)] = params.stop_token_ids
+        return (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p), stop,
+                np.int32(params.max_new_tokens))
 
     def _shapes(self, sequences: int, distinct: int, longest: int, max_new_tokens: int) -> tuple[int, ...]:
         """The static shapes of one call: (rows, distinct-prompt rows, prompt bucket, new-token bucket,
@@ -350,16 +320,13 @@ class JaxSampler(RolloutEngine):
         if self.mesh is not None:
             args = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                          for x, s in zip(args, batch_shardings(args, self.mesh), strict=True))
-        scalars = (np.float32(1.0), np.int32(0), np.float32(1.0), np.full(MAX_STOP_IDS, -1, np.int32),
-                   np.int32(max_new_tokens))
-        lower = lambda: _generate_jit.lower(self._graphdef, self._state, *args, *scalars,
-                                            new_token_bucket=new_bucket, cache_len=cache_len)
-        if self.mesh is None:
-            return lower()
-        with jax.set_mesh(self.mesh):
-            return lower()
+        scalars = self._scalars(SamplingParams(max_new_tokens=max_new_tokens))
+        return self._call(lambda: _generate_jit.lower(self._graphdef, self._state, *args, *scalars,
+                                                      new_token_bucket=new_bucket, cache_len=cache_len))
 
-    def _run(self, prompts: list[np.ndarray], ids: list[tuple[int, int]], params: SamplingParams) -> list[Sample]:
+    def _run(self, prompts: list[np.ndarray], ids: list[tuple[int, int]], params: SamplingParams,
+             keep_cache: bool = False) -> tuple[list[Sample], object]:
+        """The samples of one jitted call, and with ``keep_cache`` its cache (else None)."""
         # One prefill per distinct prompt (a GRPO group's samples share theirs).
         distinct = {i: None for i, _ in ids}
         rows, prompt_rows, prompt_bucket, new_bucket, cache_len = self._shapes(
@@ -376,37 +343,38 @@ class JaxSampler(RolloutEngine):
         row_prompts[:len(ids)] = [index[i] for i, _ in ids]
         job = np.zeros((rows, 2), np.int32)
         job[:len(ids)] = ids
-        keys = _row_keys(np.uint32(params.seed), job)
-        stop = np.full(MAX_STOP_IDS, -1, np.int32)
-        stop[:len(params.stop_token_ids)] = params.stop_token_ids
+        keys = row_keys(np.uint32(params.seed), job)
         args = (prompt_ids, prompt_lengths, row_prompts, keys)
         if self.mesh is not None:
             args = jax.device_put(args, batch_shardings(args, self.mesh))
-        # Host scalars (numpy, not jnp): no per-call dispatch of tiny conversion programs.
-        scalars = (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p), stop,
-                   np.int32(params.max_new_tokens))
-        call = lambda: _generate_jit(self._graphdef, self._state, *args, *scalars,
-                                    new_token_bucket=new_bucket, cache_len=cache_len)
-        if self.mesh is not None:
-            with jax.set_mesh(self.mesh):
-                outputs = call()
-        else:
-            outputs = call()
+        outputs, kept = self._call(lambda: _generate_jit(self._graphdef, self._state, *args, *self._scalars(params),
+                                                         new_token_bucket=new_bucket, cache_len=cache_len,
+                                                         keep_cache=keep_cache))
         # to_host, not device_get: with several processes the outputs span all of them.
         tokens, raw, processed, lengths, stopped, routes, prompt_routes = distributed.to_host(outputs)
-        chosen = raw if params.logprob_kind == LogprobKind.RAW else processed
-        samples = []
-        for r, p in enumerate(prompts):
-            n = int(lengths[r])
-            samples.append(Sample(
-                prompt_ids=p, output_ids=tokens[r, :n].copy(), output_logprobs=chosen[r, :n].copy(),
-                finish_reason="stop" if stopped[r] else "length", weight_version=self._version,
-                logprob_kind=params.logprob_kind,
-                routed_experts=None if routes is None else routes[r, :n].copy(),
+        samples = self._samples(prompts, params, tokens, raw, processed, lengths, stopped)
+        for sample, r, p in zip(samples, range(len(prompts)), prompts):
+            if routes is not None:
+                sample.routed_experts = routes[r, :len(sample.output_ids)].copy()
                 # Left padding: the prompt fills the last p.size slots; the last one is routes[r, 0].
-                prompt_routed_experts=None if prompt_routes is None
-                else prompt_routes[r, prompt_bucket - p.size:prompt_bucket - 1].copy()))
-        return samples
+                sample.prompt_routed_experts = prompt_routes[r, prompt_bucket - p.size:prompt_bucket - 1].copy()
+        return samples, kept
+
+    def _call(self, fn):
+        """``fn()`` under the sampler's mesh, if any."""
+        if self.mesh is None:
+            return fn()
+        with jax.set_mesh(self.mesh):
+            return fn()
+
+    def _samples(self, prompts, params, tokens, raw, processed, lengths, stopped) -> list[Sample]:
+        """Host outputs [rows, N] -> one Sample per prompt (the first len(prompts) rows)."""
+        chosen = raw if params.logprob_kind == LogprobKind.RAW else processed
+        return [Sample(prompt_ids=p, output_ids=tokens[r, :int(lengths[r])].copy(),
+                       output_logprobs=chosen[r, :int(lengths[r])].copy(),
+                       finish_reason="stop" if stopped[r] else "length", weight_version=self._version,
+                       logprob_kind=params.logprob_kind)
+                for r, p in enumerate(prompts)]
 
 
 __all__ = ["JaxSampler", "processed_logits", "sample_step"]

@@ -1,0 +1,150 @@
+"""One decode step's sampling and the decode loop, shared by the embedded sampler's fresh
+generation (``jaxrl.rollout.sampler``) and its continuation of conversations from a kept KV
+cache (``jaxrl.rollout.turn_cache``). Sampling semantics: the module doc of
+``jaxrl.rollout.sampler``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl.rollout import noise
+
+F32 = jnp.float32
+
+
+def processed_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """The logits of the distribution sampled from, -inf outside the top-k/top-p support.
+
+    logits: [B, V] float32; temperature (> 0), top_k (0 = off), top_p ((0, 1], 1 = off): scalars
+    (traced or Python). Returns [B, V] float32 ``logits / temperature`` with filtered tokens at -inf.
+
+    The support is the first ``n`` tokens in the order (value descending, lower id first on
+    ties), ``n`` the number of sorted positions inside both top-k and top-p. Only the values
+    are sorted (an int32 sort of order-preserving keys, about 6x faster than a float sort on
+    XLA:CPU); the support is then ``value > v_n`` plus the lowest-id ties of ``v_n``, so no
+    permutation is built or scattered back.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits.astype(F32) / temperature
+    sorted_desc = _sorted_descending(scaled)
+    rank = jnp.arange(vocab)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    in_top_k = rank < k
+    sorted_probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    in_top_p = (mass_before < top_p) | (top_p >= 1.0)
+    kept = jnp.maximum(jnp.sum(in_top_k & in_top_p, axis=-1, keepdims=True), 1)  # [B, 1]
+    threshold = jnp.take_along_axis(sorted_desc, kept - 1, axis=-1)
+    above, tied = scaled > threshold, scaled == threshold
+    room = kept - jnp.sum(above, axis=-1, keepdims=True)
+    keep = above | (tied & (jnp.cumsum(tied, axis=-1) <= room))
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _sorted_descending(x: jax.Array) -> jax.Array:
+    """x [B, V] float32 sorted descending along the last axis, via int32 keys whose order is the
+    float order (negative floats get their magnitude bits flipped)."""
+    flip = jnp.int32(0x7FFFFFFF)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    keys = jnp.sort(jnp.where(bits < 0, bits ^ flip, bits), axis=-1)[:, ::-1]
+    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ flip, keys), F32)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``argmax`` over the last axis, the lowest index on ties, via a max and a min reduction."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1]), x.shape[-1]), axis=-1)
+
+
+def sample_step(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p):
+    """Draws one token per row. logits [B, V] float32, keys [B, 2] uint32 raw PRNG keys.
+
+    Returns (tokens [B] int32, raw logprob [B] float32, processed logprob [B] float32).
+    """
+    logits = logits.astype(F32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    greedy = temperature <= 0
+    safe_temperature = jnp.where(greedy, 1.0, temperature)
+    # The sort behind top-k/top-p costs O(V log V) per row and step: skipped when both are off.
+    filtered = jax.lax.cond((top_k > 0) | (top_p < 1.0),
+                            lambda: processed_logits(logits, safe_temperature, top_k, top_p),
+                            lambda: logits / safe_temperature)
+    # Gumbel-max as jax.random.categorical draws (the same noise, so the same tokens), with the
+    # noise hashed in one fusion (jaxrl.rollout.noise) and the argmax as two plain reductions:
+    # on XLA:CPU jax's rolled hash loop and the (value, index) argmax reduction each cost about
+    # as much as a small model's forward in a decode step.
+    drawn = first_argmax(filtered + noise.gumbel(keys, logits.shape[-1]))
+    tokens = jnp.where(greedy, first_argmax(logits), drawn).astype(jnp.int32)
+    processed = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    raw_token = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    return tokens, raw_token, jnp.where(greedy, 0.0, processed)
+
+
+@jax.jit
+def row_keys(seed, job):
+    """PRNG key of sample job[r, 1] of prompt job[r, 0]: independent of batching."""
+    base = jax.random.PRNGKey(seed)
+    return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(job[:, 0], job[:, 1])
+
+
+def decode_loop(model, logits, cache, start_positions, done, keys, temperature, top_k, top_p, stop_ids,
+                max_new_tokens, routes, *, new_token_bucket: int):
+    """Samples up to ``max_new_tokens`` tokens per row from ``logits`` [B, V] (the next-token
+    logits after each row's context), feeding each sampled token to ``model`` through ``cache``
+    (every row writes the cache's shared index). start_positions [B]: the position of each row's
+    first new token; done [B]: rows that take no part (padding); keys [B, 2]: each row's PRNG
+    key (step ``s`` draws with ``fold_in(key, s)``); routes: [B, N, L_moe, k] int32 with row 0
+    set to the routes of the position that produced ``logits`` (None for dense models).
+
+    Every sampled token is fed, the last one too, so afterwards the cache holds each row's
+    context and its ``lengths`` new tokens; a row that stopped early wrote on (unused tokens)
+    until the loop ended: :func:`forget_unwritten` masks those cache rows.
+
+    Returns tokens, raw and processed logprobs [B, N] (0 past each row's length), lengths [B],
+    stopped [B], routes and the cache, N = new_token_bucket.
+    """
+    batch = logits.shape[0]
+    tokens = jnp.zeros((batch, new_token_bucket), jnp.int32)
+    raw = jnp.zeros((batch, new_token_bucket), F32)
+    processed = jnp.zeros((batch, new_token_bucket), F32)
+    lengths = jnp.zeros((batch,), jnp.int32)
+
+    def keep_going(carry):
+        step, _, _, done, *_ = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        step, logits, cache, done, lengths, tokens, raw, processed, routes = carry
+        token, raw_lp, proc_lp = sample_step(logits, noise.fold_in(keys, step), temperature, top_k, top_p)
+        live = ~done
+        tokens = tokens.at[:, step].set(jnp.where(live, token, 0))
+        raw = raw.at[:, step].set(jnp.where(live, raw_lp, 0.0))
+        processed = processed.at[:, step].set(jnp.where(live, proc_lp, 0.0))
+        lengths = lengths + live.astype(jnp.int32)
+        done = done | jnp.isin(token, stop_ids)
+        position = (start_positions + step)[:, None]
+        out = model(token[:, None], position, jnp.ones_like(position), cache=cache)
+        if routes is not None:
+            nxt = jnp.minimum(step + 1, new_token_bucket - 1)
+            routes = routes.at[:, nxt].set(jnp.where((step + 1 < new_token_bucket), out.routed_experts[:, 0],
+                                                     routes[:, nxt]))
+        logits = model.head(out.hidden)[:, 0]
+        return step + 1, logits, out.cache, done, lengths, tokens, raw, processed, routes
+
+    carry = (jnp.zeros((), jnp.int32), logits, cache, done, lengths, tokens, raw, processed, routes)
+    _, _, cache, done, lengths, tokens, raw, processed, routes = jax.lax.while_loop(keep_going, body, carry)
+    return tokens, raw, processed, lengths, done, routes, cache
+
+
+def forget_unwritten(cache, decode_start, lengths):
+    """``cache`` with the rows each batch row wrote after its last real token (slots from
+    ``decode_start + lengths``) marked empty (segment id 0), so a later call attends only to
+    each conversation's own tokens."""
+    slots = jnp.arange(cache.segment_ids.shape[1], dtype=jnp.int32)[None, :]
+    unwritten = slots >= (decode_start + lengths)[:, None]
+    return cache._replace(segment_ids=jnp.where(unwritten, 0, cache.segment_ids))
+
+
+__all__ = ["decode_loop", "first_argmax", "forget_unwritten", "processed_logits", "row_keys", "sample_step"]
