@@ -70,7 +70,8 @@ class UpdateGuard:
         problems = []
         if len(self.recent_grad_norms) >= self.MIN_HISTORY:
             median = float(np.median(self.recent_grad_norms))
-            if grad_norm > self.spike_factor * median:
+            # A zero median (updates whose every token was masked or rejected) gives no scale.
+            if median > 0 and grad_norm > self.spike_factor * median:
                 problems.append(f"grad_norm {grad_norm:.4g} is {grad_norm / median:.3g}x the median {median:.4g} "
                                 f"of the last {len(self.recent_grad_norms)} updates")
         if relative_size > 1.0:

@@ -15,7 +15,7 @@ from jaxrl.config import ConfigError, from_dict, load_config
 from jaxrl.rollout.base import PushVerificationError
 from jaxrl.trainer.checkpoint import CheckpointSaveError
 from jaxrl.trainer.config import TrainConfig
-from jaxrl.trainer.guard import NonFiniteUpdateError
+from jaxrl.trainer.guard import NonFiniteUpdateError, UpdateGuard
 from jaxrl.trainer.lifecycle import RunExistsError, clear_previous_run
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.rl import RLTrainer
@@ -234,6 +234,19 @@ def test_a_fresh_start_never_destroys_an_earlier_run(run_config, tmp_path):
     finally:
         trainer.close()
     assert [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1]
+
+
+def test_the_spike_check_survives_updates_with_zero_gradient():
+    """Before: once the recent updates' median grad_norm was 0 (every token rejected by a
+    mismatch correction, as Geo-RS under injected noise did), the next nonzero one raised
+    ZeroDivisionError and ended the run."""
+    warnings = []
+    guard = UpdateGuard(max_consecutive_skips=3, spike_factor=10.0, warn=warnings.append)
+    norms = [0.0] * 6 + [0.5]  # no scale from a zero median: no verdict on the 0.5
+    norms += [0.5] * UpdateGuard.WINDOW + [50.0]  # the median is 0.5 again: 50 is a spike
+    for step, grad_norm in enumerate(norms, start=1):
+        guard.check(step, {"loss": 0.0, "grad_norm": grad_norm, "update/nonfinite": 0.0, "update/relative_size": 0.0})
+    assert len(warnings) == 1 and "grad_norm 50 is 100x the median 0.5" in warnings[0]
 
 
 def test_overwrite_says_it_deleted_a_run_only_when_there_was_one(tmp_path, caplog):
