@@ -107,7 +107,8 @@ def gradient_claims(g: dict) -> tuple[list[tuple], dict]:
         return [(c, INCONCLUSIVE, "one seed") for c in ("k1-as-loss", "k3 bias", "k2 = k1-in-reward")], stats
     claims = [
         zero(g["k1-as-loss"], "k1-as-loss's gradient is zero in expectation (it does not regularise)"),
-        zero(g["k2-as-loss"] - g["k1-in-reward"], "k2-as-loss and k1-in-reward have the same gradient on-policy"),
+        zero(g["k2-as-loss"] - g["k1-in-reward"], "k2-as-loss and k1-in-reward (summed over the answer, as the "
+             "sequence reward carries it) have the same gradient on-policy"),
     ]
     norm, se = _mean_and_se(g["k3-as-loss"] - g["k2-as-loss"])
     claims.append(("k3-as-loss's gradient is biased (differs from k2-as-loss's, the gradient of KL(pi||ref), in "

@@ -116,11 +116,20 @@ def _engine(config, options: dict, seed: int):
 
 
 def run_cell(root: str, spec: dict, cell: Cell, seed: int, steps: int, out: str, extra: dict | None = None) -> dict:
-    """One run of ``cell`` with ``seed``; returns its record for runs.json."""
+    """One run of ``cell`` with ``seed``; returns its record for runs.json (also written to the
+    run's folder as record.json). A record already there from a run with the same settings is
+    returned as it is: a grid stopped part-way (a crash, a kill) continues where it stopped."""
     from jaxrl.trainer.rl import RLTrainer
 
     run_dir = os.path.join(out, "runs", *cell.name.split("/"), f"seed{seed}")
     config = run_config(root, spec, cell, seed, steps, run_dir, extra)
+    settings = {**spec["rl"], **cell.overrides, "engine": cell.engine, "steps": steps, **(extra or {})}
+    saved = os.path.join(run_dir, "record.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            record = json.load(f)
+        if record.get("settings") == json.loads(json.dumps(settings)):
+            return {**record, "kept": True}
     start = time.perf_counter()
     engine = _engine(config, cell.engine, seed) if cell.engine else None
     trainer = RLTrainer(config, overwrite=True, engine=engine)
@@ -130,9 +139,13 @@ def run_cell(root: str, spec: dict, cell: Cell, seed: int, steps: int, out: str,
         trainer.close()
         if engine is not None:
             engine.close()
-    return {"cell": cell.name, "levels": cell.levels, "seed": seed, "steps": steps,
-            "seconds": round(time.perf_counter() - start, 1), "metrics": summary["metrics"],
-            "heldout_start": summary.get("heldout_start"), "heldout_end": summary.get("heldout_end")}
+    record = {"cell": cell.name, "levels": cell.levels, "seed": seed, "steps": steps,
+              "seconds": round(time.perf_counter() - start, 1), "metrics": summary["metrics"],
+              "heldout_start": summary.get("heldout_start"), "heldout_end": summary.get("heldout_end"),
+              "settings": settings}
+    with open(saved, "w") as f:
+        json.dump(record, f)
+    return record
 
 
 def run_grid(spec: dict, axes: tuple[str, ...], out: str, *, quick: bool, steps: int | None,
@@ -154,8 +167,9 @@ def run_grid(spec: dict, axes: tuple[str, ...], out: str, *, quick: bool, steps:
             if wanted:
                 record["export"] = export
             records.append(record)
+            kept = " (kept from an earlier run into this folder)" if record.pop("kept", False) else ""
             log(f"[experiment] {cell.name} seed {seed}: held-out {record['heldout_start']:.3f} -> "
-                f"{record['heldout_end']:.3f} in {record['seconds']:.0f} s")
+                f"{record['heldout_end']:.3f} in {record['seconds']:.0f} s{kept}")
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(records, f, indent=1)
     return root, records

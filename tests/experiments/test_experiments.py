@@ -44,6 +44,12 @@ def test_quick_grid_writes_runs_figures_and_verdicts(tiny, tmp_path, name):
     assert figures and all(f.endswith(".png") for f in figures)
     text = open(path).read()
     assert "QUICK RUN" in text and len(VERDICT.findall(text)) >= 2
+    # The same command again into the same folder trains nothing: every run's record is kept.
+    lines = []
+    registry.run(name, out, quick=True, steps=2, log=lines.append)
+    runs = [line for line in lines if " seed " in line]
+    assert len(runs) == len(expected) and all("kept from an earlier run" in line for line in runs)
+    assert json.load(open(os.path.join(out, "runs.json"))) == records
 
 
 def test_cli_lists_the_experiment_command():
