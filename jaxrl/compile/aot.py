@@ -31,7 +31,7 @@ from jaxrl.rollout.sampler import JaxSampler
 from jaxrl.trainer import stages
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
 from jaxrl.trainer.config import TrainConfig
-from jaxrl.trainer.rl import sampler_batch
+from jaxrl.trainer.rollouts import sampler_batch
 from jaxrl.trainer.update import abstract_train_state, build_optimizer, build_train_step, rl_loss_fn
 
 

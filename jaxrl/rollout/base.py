@@ -88,6 +88,9 @@ class Sample:
       environment's (tool responses), and the model turn of each token (-1 on the
       environment's); None for a single model turn. episode: the environment's record of the
       conversation (``jaxrl.env.rollout.Episode``: why it ended, its reward, tool counts), or None.
+    output_versions: [N] int32, the learner version (trainer step) of the weights that generated
+      each output token, for a sample continued across weight pushes (partial rollouts,
+      ``rollout.partial_tokens``); None otherwise (every token is ``weight_version``'s).
     """
 
     prompt_ids: np.ndarray
@@ -101,6 +104,7 @@ class Sample:
     output_mask: np.ndarray | None = None
     output_turn_ids: np.ndarray | None = None
     episode: Any = None
+    output_versions: np.ndarray | None = None
 
     @property
     def model_ids(self) -> np.ndarray:

@@ -47,6 +47,15 @@ class RolloutConfig:
     dynamic_sampling: drop prompt groups whose rewards do not vary and draw more prompts until
     the batch is full, at most ``max_extra_draws`` extra draws per step (DAPO;
     docs/training.md#dynamic-sampling).
+    partial_tokens: partial rollouts (slime's --partial-rollout; docs/training.md#partial-rollouts):
+    each round of a step generates at most this many tokens per sample; a step trains on the
+    first ``prompts_per_step`` groups whose samples all finished, and unfinished ones continue
+    in the next step with the new weights (per-token versions in ``Sample.output_versions``).
+    0 = off (every sample is generated whole in its step). partial_groups: prompt groups in
+    flight (started, or finished and not yet trained on), so that a step ends when the fastest
+    ``prompts_per_step`` finish and the long tail carries over (slime's over-sampling); 0 = twice
+    ``prompts_per_step``; ``prompts_per_step`` itself makes partial rollouts with
+    ``partial_tokens >= max_new_tokens`` the synchronous loop.
     """
 
     engine: Literal["embedded", "sglang"] = "embedded"
@@ -63,6 +72,8 @@ class RolloutConfig:
     max_batch: int = 0
     dynamic_sampling: bool = False
     max_extra_draws: int = 4
+    partial_tokens: int = 0
+    partial_groups: int = 0
     sglang: SGLangConfig | None = None
 
     def __post_init__(self):
@@ -85,6 +96,17 @@ class RolloutConfig:
             raise ValueError("rollout.dynamic_sampling draws its extra prompts with the learner's current weights, "
                              f"which rollout.max_staleness={self.max_staleness} does not give the engine; use one "
                              "of the two")
+        if self.partial_tokens < 0:
+            raise ValueError(f"rollout.partial_tokens must be >= 0 (0 = off), got {self.partial_tokens}")
+        if self.partial_groups and self.partial_groups < self.prompts_per_step:
+            raise ValueError(f"rollout.partial_groups={self.partial_groups} must be >= rollout.prompts_per_step="
+                             f"{self.prompts_per_step} (a step trains on that many finished groups), or 0 for "
+                             f"twice prompts_per_step")
+        for key, value in (("max_staleness", self.max_staleness), ("dynamic_sampling", self.dynamic_sampling)):
+            if self.partial_tokens and value:
+                raise ValueError(f"rollout.partial_tokens (partial rollouts) and rollout.{key} both decide which "
+                                 f"samples a step trains on; use one of the two (set rollout.{key} to its "
+                                 "default or rollout.partial_tokens=0)")
         if not self.push_tolerance > 0.0:
             raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
 

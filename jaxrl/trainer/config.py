@@ -315,6 +315,11 @@ class TrainConfig:
         if self.env is not None and self.rollout.max_staleness > 0:
             raise ValueError(f"env (multi-turn rollouts) runs with the synchronous loop for now; set "
                              f"rollout.max_staleness=0 (got {self.rollout.max_staleness})")
+        if self.rollout.partial_tokens and (self.env is not None or self.advantage.needs_greedy_baseline):
+            other = "env (multi-turn rollouts)" if self.env is not None else \
+                f"advantage.estimator={self.advantage.estimator!r} (its greedy baseline)"
+            raise ValueError(f"rollout.partial_tokens (partial rollouts) continues single-turn samples across steps, "
+                             f"and {other} is not one; set rollout.partial_tokens=0")
         sequences = self.rollout.prompts_per_step * self.rollout.group_size
         split = self.update.mini_batches * self.update.micro_batches
         if sequences % split:

@@ -5,7 +5,8 @@ Per step k, ``train_step_once`` runs, one stage per line:
    each from the rollout engine, and one greedy response per prompt when the advantage
    estimator needs it as a baseline (ReMax); with the current weights, or up to
    ``rollout.max_staleness`` updates older, generated in the background while the learner
-   updates (``jaxrl.trainer.rollouts``);
+   updates (``jaxrl.trainer.rollouts``), or with ``rollout.partial_tokens`` spread over steps
+   (``jaxrl.trainer.partial``);
 2. **reward**: the per-task reward functions score them; unparsable samples (and samples whose
    reward function raised) leave the gradient and their group's baseline when
    ``reward.mask_unparsable`` (Motif);
@@ -30,6 +31,7 @@ one exactly (same samples, same updates) on CPU in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -60,7 +62,8 @@ from jaxrl.trainer.episodes import environment_metrics, generate_conversations, 
 from jaxrl.trainer.judges import build_reward_router, judge_cache_path
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_rl
 from jaxrl.trainer.metrics import StageClock
-from jaxrl.trainer.rollouts import RolloutBatch, RolloutQueue, staleness_metrics
+from jaxrl.trainer.partial import PartialRolloutQueue
+from jaxrl.trainer.rollouts import RolloutBatch, RolloutQueue, sampler_batch, staleness_metrics
 from jaxrl.trainer.update import build_optimizer, make_train_step, rl_loss_fn
 
 log = logging.getLogger(__name__)
@@ -127,7 +130,7 @@ class RLTrainer:
         self.step = 0
         self.skipped_updates = 0
         self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
-        self.rollouts = RolloutQueue(self.iterator, self._generate, config.rollout.max_staleness)
+        self.rollouts = self._rollout_queue()
         if self.rollouts.background and jax.process_count() > 1:
             raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness} runs with one JAX process only "
                              f"(this run has {jax.process_count()}): the engine's collectives would run in a "
@@ -145,6 +148,16 @@ class RLTrainer:
         if self.step > 0 or engine.weight_version != "0" or self._engine_needs_copy():
             self.engine.update_weights(self._engine_weights(), version=str(self.step))
         self.rollouts.fill(self.step)
+
+    def _rollout_queue(self) -> RolloutQueue | PartialRolloutQueue:
+        r = self.config.rollout
+        if not r.partial_tokens:
+            return RolloutQueue(self.iterator, self._generate, r.max_staleness)
+        return PartialRolloutQueue(
+            self.iterator, lambda prompts, n, budget, seed: self.engine.generate(
+                prompts, dataclasses.replace(self._sampling(seed), max_new_tokens=budget), n=n),
+            lambda step, draw: _seed(self.config.seed, step, draw), prompts=r.prompts_per_step,
+            groups=r.partial_groups or 2 * r.prompts_per_step, group_size=r.group_size, partial_tokens=r.partial_tokens, max_new_tokens=r.max_new_tokens)
 
     def _engine_needs_copy(self) -> bool:
         return self.rollouts.background and self.engine.holds_references
@@ -249,7 +262,9 @@ class RLTrainer:
         skip, filter_metrics = stages.batch_filter_stage(batch, objective)
         with clock("update"):
             update_metrics = self._update(batch, step, skip)
-        self._verify_previous_push(samples[0][0].weight_version, batch, update_metrics)
+        # The oldest weights in the batch (partial rollouts mix versions within a sample).
+        oldest = str(min(int(s.weight_version) for group in samples for s in group))
+        self._verify_previous_push(oldest, batch, update_metrics)
         with clock("rollout_drain"):  # the batches of the weights about to be replaced
             self.rollouts.before_push()
         with clock("weight_push"):
@@ -257,7 +272,8 @@ class RLTrainer:
         self.rollouts.fill(step, final=step == config.steps)
         self.step = step
         return {
-            **stages.rollout_metrics([s for _, s in flat]), **staleness_metrics(rollout, step - 1), **dynamic_metrics,
+            **stages.rollout_metrics([s for _, s in flat]), **staleness_metrics(rollout, step - 1), **rollout.metrics,
+            **dynamic_metrics,
             **stages.reward_metrics(scored, self.router.take_metrics()), **recompute_metrics, **advantage_metrics,
             **filter_metrics, **update_metrics, **push_metrics, **environment_metrics([s for _, s in flat]),
             "data/bad_rows": self.data_report.bad_rows,
@@ -370,8 +386,7 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def _meta(self) -> dict:
-        rollouts = self.rollouts.state(self.step)
-        return {"step": self.step, "seed": self.config.seed, "data": rollouts["data"], "pending": rollouts["pending"],
+        return {"step": self.step, "seed": self.config.seed, **self.rollouts.state(self.step),
                 "weight_version": str(self.step), "skipped_updates": self.skipped_updates,
                 "guard": self.guard.state()}
 
@@ -418,13 +433,6 @@ class RLTrainer:
             self.engine.close()
         if self.manager is not None:
             self.manager.stop()
-
-
-def sampler_batch(config: TrainConfig) -> int:
-    """The most sequences the embedded sampler decodes at once: ``rollout.max_batch``, or (0) a step's
-    whole batch or the held-out evaluation's, whichever is larger."""
-    r = config.rollout
-    return r.max_batch or max(r.prompts_per_step * r.group_size, config.eval.max_prompts * config.eval.samples)
 
 
 def _copy(tree):

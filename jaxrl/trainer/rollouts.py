@@ -51,6 +51,7 @@ class RolloutBatch:
     greedy: list | None = None
     generate_seconds: float = 0.0
     future: concurrent.futures.Future | None = None
+    metrics: dict = dataclasses.field(default_factory=dict)  # the queue's own rollout/* metrics
 
 
 class RolloutQueue:
@@ -149,6 +150,13 @@ def staleness_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, fl
     return {"rollout/staleness_mean": float(np.mean(lags)), "rollout/staleness_max": float(np.max(lags))}
 
 
+def sampler_batch(config) -> int:
+    """The most sequences the embedded sampler decodes at once: ``rollout.max_batch``, or (0) a step's
+    whole batch or the held-out evaluation's, whichever is larger."""
+    r = config.rollout
+    return r.max_batch or max(r.prompts_per_step * r.group_size, config.eval.max_prompts * config.eval.samples)
+
+
 # ---------------------------------------------------------------- sample records
 
 def _b64(array: np.ndarray) -> str:
@@ -176,6 +184,8 @@ def _encode_groups(groups: list[list[Sample]]) -> dict[str, Any]:
         "output_ids": _b64(np.concatenate([s.output_ids for s in flat]).astype(np.int32)),
         "output_logprobs": _b64(np.concatenate([s.output_logprobs for s in flat]).astype(np.float32)),
         "routes": None,
+        "versions": None if flat[0].output_versions is None
+        else _b64(np.concatenate([s.output_versions for s in flat]).astype(np.int32)),
     }
     if routed:
         record["routes"] = {
@@ -195,6 +205,9 @@ def _decode_groups(record: dict[str, Any], examples: list) -> list[list[Sample]]
     ids = np.split(_unb64(record["output_ids"], np.int32), ends[:-1])
     logps = np.split(_unb64(record["output_logprobs"], np.float32), ends[:-1])
     routes = record["routes"]
+    versions = [None] * len(lengths)
+    if record.get("versions") is not None:  # absent in checkpoints written before partial rollouts
+        versions = np.split(_unb64(record["versions"], np.int32), ends[:-1])
     prompt_routes = output_routes = [None] * len(lengths)
     if routes is not None:
         shape = tuple(routes["shape"])
@@ -210,7 +223,7 @@ def _decode_groups(record: dict[str, Any], examples: list) -> list[list[Sample]]
                 prompt_ids=np.asarray(example.prompt_ids, np.int32), output_ids=ids[j], output_logprobs=logps[j],
                 finish_reason=record["finish_reasons"][j], weight_version=record["weight_versions"][j],
                 logprob_kind=LogprobKind(record["logprob_kind"]), routed_experts=output_routes[j],
-                prompt_routed_experts=prompt_routes[j]))
+                prompt_routed_experts=prompt_routes[j], output_versions=versions[j]))
             j += 1
         groups.append(group)
     return groups

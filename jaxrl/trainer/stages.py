@@ -75,6 +75,8 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
         (u.mini_batches != 1, f"update.mini_batches={u.mini_batches} (later mini-batches are off-policy)"),
         (config.rollout.max_staleness > 0, f"rollout.max_staleness={config.rollout.max_staleness} (samples come "
                                            "from older weights)"),
+        (config.rollout.partial_tokens > 0, f"rollout.partial_tokens={config.rollout.partial_tokens} (carried "
+                                            "samples hold tokens of older weights)"),
     ) if failed]
     try:
         fast = dataclasses.replace(objective, bypass=True)

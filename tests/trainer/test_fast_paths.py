@@ -59,6 +59,7 @@ def test_when_needed_skips_the_redundant_recompute_and_trains_as_the_recomputing
     ({"objective": {"batch_filter_threshold": 1.0}}, "learner-versus-engine ratio"),
     ({"rollout": {"logprob_kind": "processed", "temperature": 0.7}}, "logprob_kind is not raw"),
     ({"rollout": {"max_staleness": 1}}, "rollout.max_staleness=1 (samples come from older weights)"),
+    ({"rollout": {"partial_tokens": 2}}, "rollout.partial_tokens=2 (carried samples hold tokens of older weights)"),
 ])
 def test_when_needed_keeps_the_recompute_where_it_is_needed(files, tmp_path, caplog, change, reason):
     """Later mini-batches and asynchronous rollouts are off-policy, corrections and the batch filter read the
