@@ -44,9 +44,12 @@ def run(name: str, out: str, *, quick: bool = False, steps: int | None = None, l
     claims, figures = experiment.analyze(out, spec, records)
     seeds = len(spec["seeds"][:1] if quick else spec["seeds"])
     elapsed = time.perf_counter() - start
+    run_seconds, kept = sum(r["seconds"] for r in records), sum(bool(r.get("kept")) for r in records)
     scale = (f"{'QUICK RUN: ' if quick else ''}{seeds} seed(s) per cell, {records[0]['steps']} steps per run, "
-             f"{len(records)} runs; measured {elapsed:.0f} s in all on this machine "
-             f"({elapsed / max(len(records), 1):.0f} s per run including the shared SFT warm-up).")
+             f"{len(records)} runs; on this machine the runs took {run_seconds:.0f} s in all "
+             f"({run_seconds / max(len(records), 1):.0f} s per run)"
+             + (f", {kept} of them kept from an earlier invocation into this folder" if kept else "")
+             + f"; this invocation {elapsed:.0f} s, the SFT warm-up and the analysis included.")
     footer = spec.get("report_extra", "") + f"\n\nCommand: `jaxrl experiment {name}{' --quick' if quick else ''}" \
         f"{f' --steps {steps}' if steps else ''}`; thresholds: configs/experiments/{name}.yaml."
     path = report.write_report(out, experiment.title, scale, report.reward_table(records), claims, figures, footer)

@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive at this scale"
+LOG_FLOOR = 1e-10  # where a log-scale panel draws values of 0 (and spreads that reach below)
 
 
 def mean_spread(values) -> tuple[float, float]:
@@ -58,6 +59,8 @@ def curves_figure(path: str, groups: dict[str, list[list[dict]]], keys: list[tup
 
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, (key, label) in zip(axes[0], keys, strict=True):
+        # Mismatch metrics span orders of magnitude and are >= 0: a log axis, 0 drawn at LOG_FLOOR.
+        floor = LOG_FLOOR if key.startswith("mismatch/") else -np.inf
         for name, runs in groups.items():
             curves = [series(rows, key) for rows in runs]
             curves = [c for c in curves if len(c[0])]
@@ -66,12 +69,12 @@ def curves_figure(path: str, groups: dict[str, list[list[dict]]], keys: list[tup
             n = min(len(c[0]) for c in curves)
             values = np.stack([c[1][:n] for c in curves])
             mean, std = values.mean(0), values.std(0)
-            ax.plot(curves[0][0][:n], mean, label=name)
-            ax.fill_between(curves[0][0][:n], mean - std, mean + std, alpha=0.15)
+            ax.plot(curves[0][0][:n], np.maximum(mean, floor), label=name)
+            ax.fill_between(curves[0][0][:n], np.maximum(mean - std, floor), np.maximum(mean + std, floor), alpha=0.15)
         ax.set_xlabel("step")
-        ax.set_title(label, fontsize=9)
-        if key.startswith("mismatch/"):
-            ax.set_yscale("symlog", linthresh=1e-6)
+        ax.set_title(label + (f" (0 drawn at {LOG_FLOOR:g})" if floor > 0 else ""), fontsize=9)
+        if floor > 0:
+            ax.set_yscale("log")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -167,7 +167,8 @@ def run_grid(spec: dict, axes: tuple[str, ...], out: str, *, quick: bool, steps:
             if wanted:
                 record["export"] = export
             records.append(record)
-            kept = " (kept from an earlier run into this folder)" if record.pop("kept", False) else ""
+            record.setdefault("kept", False)
+            kept = " (kept from an earlier run into this folder)" if record["kept"] else ""
             log(f"[experiment] {cell.name} seed {seed}: held-out {record['heldout_start']:.3f} -> "
                 f"{record['heldout_end']:.3f} in {record['seconds']:.0f} s{kept}")
     with open(os.path.join(out, "runs.json"), "w") as f:

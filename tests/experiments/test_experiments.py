@@ -49,7 +49,10 @@ def test_quick_grid_writes_runs_figures_and_verdicts(tiny, tmp_path, name):
     registry.run(name, out, quick=True, steps=2, log=lines.append)
     runs = [line for line in lines if " seed " in line]
     assert len(runs) == len(expected) and all("kept from an earlier run" in line for line in runs)
-    assert json.load(open(os.path.join(out, "runs.json"))) == records
+    again = json.load(open(os.path.join(out, "runs.json")))
+    assert all(r["kept"] for r in again) and not any(r["kept"] for r in records)
+    assert [{**r, "kept": False} for r in again] == records
+    assert f"{len(expected)} of them kept from an earlier invocation" in open(path).read()
 
 
 def test_cli_lists_the_experiment_command():
