@@ -24,4 +24,6 @@ def test_grpo_raises_heldout_reward(tmp_path):
     start, end = summary["heldout_start"], summary["heldout_end"]
     print(f"held-out reward {start:.3f} -> {end:.3f}")
     assert 0.05 < start < 0.8  # SFT taught the format and left room to learn.
-    assert end >= start + 0.07  # Measured: 0.302 -> 0.450; with the advantages negated: 0.302 -> 0.008.
+    # Measured: 0.300 -> 0.380 (jax 0.10.2, this CPU); earlier code gave 0.302 -> 0.450, and with the
+    # advantages negated 0.302 -> 0.008.
+    assert end >= start + 0.07
