@@ -353,8 +353,8 @@ class JaxSampler(RolloutEngine):
         # to_host, not device_get: with several processes the outputs span all of them.
         tokens, raw, processed, lengths, stopped, routes, prompt_routes = distributed.to_host(outputs)
         samples = self._samples(prompts, params, tokens, raw, processed, lengths, stopped)
-        for sample, r, p in zip(samples, range(len(prompts)), prompts):
-            if routes is not None:
+        if routes is not None:
+            for r, (sample, p) in enumerate(zip(samples, prompts, strict=True)):
                 sample.routed_experts = routes[r, :len(sample.output_ids)].copy()
                 # Left padding: the prompt fills the last p.size slots; the last one is routes[r, 0].
                 sample.prompt_routed_experts = prompt_routes[r, prompt_bucket - p.size:prompt_bucket - 1].copy()

@@ -157,7 +157,8 @@ class RLTrainer:
             self.iterator, lambda prompts, n, budget, seed: self.engine.generate(
                 prompts, dataclasses.replace(self._sampling(seed), max_new_tokens=budget), n=n),
             lambda step, draw: _seed(self.config.seed, step, draw), prompts=r.prompts_per_step,
-            groups=r.partial_groups or 2 * r.prompts_per_step, group_size=r.group_size, partial_tokens=r.partial_tokens, max_new_tokens=r.max_new_tokens)
+            groups=r.partial_groups or 2 * r.prompts_per_step, group_size=r.group_size,
+            partial_tokens=r.partial_tokens, max_new_tokens=r.max_new_tokens)
 
     def _engine_needs_copy(self) -> bool:
         return self.rollouts.background and self.engine.holds_references
