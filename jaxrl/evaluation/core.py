@@ -62,11 +62,13 @@ class TaskScores:
 
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
-    """Per-task and overall figures, with the sampling settings that produced them."""
+    """Per-task and overall figures, with the sampling settings that produced them; with an
+    environment (multi-turn prompts), its ``env/*`` metrics over the played conversations."""
 
     tasks: dict[str, TaskScores]
     overall: TaskScores
     sampling: dict
+    environment: dict = dataclasses.field(default_factory=dict)
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """Flat metrics for the trainer's log: ``PREFIX/reward`` (the overall avg@n),
@@ -86,7 +88,8 @@ class EvalResult:
                     **{f"pass@{k}": v for k, v in s.pass_at_k.items()}}
 
         return {"sampling": self.sampling, "overall": plain(self.overall),
-                "tasks": {t: plain(s) for t, s in self.tasks.items()}}
+                "tasks": {t: plain(s) for t, s in self.tasks.items()},
+                **({"environment": self.environment} if self.environment else {})}
 
     def table(self) -> str:
         """A plain-text table: one row per task and one for all prompts."""
@@ -98,7 +101,8 @@ class EvalResult:
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                  for r in [header, *rows]]
         settings = ", ".join(f"{k}={v}" for k, v in self.sampling.items())
-        return "\n".join([*lines, f"sampling: {settings}"])
+        played = ", ".join(f"{k}={v:.4g}" for k, v in self.environment.items())
+        return "\n".join([*lines, f"sampling: {settings}", *([f"environment: {played}"] if played else [])])
 
     def write_json(self, path: str) -> None:
         with open(path, "w") as f:

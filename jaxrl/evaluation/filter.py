@@ -167,11 +167,12 @@ def _counts(rates: Sequence[float], n: int) -> list[int]:
 def run_filter(config: FilterConfig, examples: Sequence[Example], engine: RolloutEngine, router: RewardRouter,
                tokenizer, params: SamplingParams, *, seed_of_chunk: Callable[[int], int],
                bad_rows: int = 0, on_error: Callable[[str], None] | None = None,
-               log: Callable[[str], None] = print) -> dict:
+               log: Callable[[str], None] = print, generate=None) -> dict:
     """Scores every prompt not yet in the progress file, then writes the kept rows, the summary
     and the histograms; returns the summary. Chunk ``c`` samples with ``params`` and the seed
     ``seed_of_chunk(c)`` (``params.seed`` is the recorded run seed it derives from).
-    ``bad_rows``: input rows the loader skipped (reported)."""
+    ``bad_rows``: input rows the loader skipped (reported). ``generate``: how samples are made
+    (``sample_and_score``'s; e.g. conversations with environments), default the engine's."""
     paths = config.paths()
     tasks = [router.task_of(e.row) for e in examples]
     for task in sorted(set(tasks)):
@@ -191,7 +192,8 @@ def run_filter(config: FilterConfig, examples: Sequence[Example], engine: Rollou
     for number, (c, chunk) in enumerate(todo, 1):
         part = [examples[i] for i in chunk]
         chunk_params = dataclasses.replace(params, seed=seed_of_chunk(c))
-        _, scored = sample_and_score(engine, router, tokenizer, part, chunk_params, config.samples, on_error)
+        _, scored = sample_and_score(engine, router, tokenizer, part, chunk_params, config.samples, on_error,
+                                     generate)
         correct = (scored.scores > CORRECT_ABOVE).reshape(len(part), config.samples).sum(axis=1)
         records = [{"id": ids[i], "task": tasks[i], "correct": int(k), "n": config.samples,
                     "pass_rate": int(k) / config.samples} for i, k in zip(chunk, correct, strict=True)]

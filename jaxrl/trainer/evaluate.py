@@ -149,10 +149,12 @@ def eval_main(argv: Sequence[str]) -> int:
             raise InputError("data.eval_files is empty; set it to the held-out .jsonl/.parquet files to score")
         chunk = max(setup.config.rollout.prompts_per_step, 1)
         setup.start(setup.config.data.eval_files, args.max_prompts, chunk * e.samples)
+        generate, played = _conversations(setup)
         result = evaluate(setup.engine, setup.router, setup.tokenizer, setup.examples, setup.sampling(e.temperature),
-                          e.samples, e.k, chunk_prompts=chunk)
+                          e.samples, e.k, chunk_prompts=chunk, generate=generate)
         result = dataclasses.replace(result, sampling={**result.sampling, "model": setup.model_source,
-                                                       "files": list(setup.config.data.eval_files)})
+                                                       "files": list(setup.config.data.eval_files)},
+                                     environment=_environment_metrics(played))
         print(result.table())
         if args.json:
             result.write_json(args.json)
@@ -160,6 +162,31 @@ def eval_main(argv: Sequence[str]) -> int:
         return 0
 
     return _run("eval", args, body)
+
+
+def _conversations(setup: _Setup):
+    """With an ``env`` section, prompts are played as conversations with their environments, as
+    the trainer's held-out evaluation plays them: (the generate function, the list the played
+    samples are collected in); (None, []) without one."""
+    if setup.config.env is None:
+        return None, []
+    from jaxrl.env import EnvRouter
+    from jaxrl.trainer.episodes import generate_conversations
+
+    envs, played = EnvRouter(setup.config.env, setup.tokenizer), []
+
+    def generate(examples, params, n):
+        samples = generate_conversations(setup.engine, envs, examples, params, n)
+        played.extend(s for group in samples for s in group)
+        return samples
+
+    return generate, played
+
+
+def _environment_metrics(played) -> dict:
+    from jaxrl.trainer.episodes import environment_metrics
+
+    return environment_metrics(played) if played else {}
 
 
 def filter_main(argv: Sequence[str]) -> int:
@@ -176,7 +203,8 @@ def filter_main(argv: Sequence[str]) -> int:
         seed = setup.config.seed
         summary = run_filter(f, setup.examples, setup.engine, setup.router, setup.tokenizer,
                              setup.sampling(f.temperature), bad_rows=setup.report.bad_rows,
-                             seed_of_chunk=lambda c: int(np.random.SeedSequence([seed, c]).generate_state(1)[0] >> 1))
+                             seed_of_chunk=lambda c: int(np.random.SeedSequence([seed, c]).generate_state(1)[0] >> 1),
+                             generate=_conversations(setup)[0])
         for task, entry in sorted(summary["tasks"].items()):
             band = entry["band"]
             print(f"{task}: kept {entry['kept']}/{entry['in']} ({entry['kept_fraction']:.3f}) with "

@@ -9,14 +9,17 @@ model writes. It rewards each turn it answers with TURN_REWARD and the conversat
 with 1 when the model's first token is even (0 otherwise), so the environment reward of a
 conversation is known in closed form."""
 
+import json
+
 import jax
 import numpy as np
 
 from jaxrl.env import Environment, EnvLimits, StepResult
 from jaxrl.rollout.base import Conversation
-from jaxrl.trainer import rl, stages
+from jaxrl.trainer import episodes, rl, stages
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
+from jaxrl.cli import main
 
 import test_loop
 from test_loop import _comparable, _run, make_config
@@ -126,3 +129,31 @@ def test_multiturn_resume_reproduces_the_straight_run(files, tmp_path):
     rows = {name: _comparable(read_jsonl(str(tmp_path / name / "metrics.jsonl"))) for name in ("a", "b")}
     assert rows["a"] == rows["b"]
     assert jax.tree.leaves(straight)  # the run has parameters to compare
+
+
+def test_eval_and_filter_commands_play_conversations(files, tmp_path, capsys, monkeypatch):
+    """``jaxrl eval`` / ``jaxrl filter`` on a config with an env section play each prompt as a
+    conversation (three model turns here, whatever the model writes), as the trainer's held-out
+    evaluation does; before, they scored single-turn answers without the environment."""
+    config = {
+        "output_dir": str(tmp_path / "out"), "seed": 3,
+        "model": {"architecture": test_loop.ARCHITECTURE, "init_seed": 1},
+        "data": {"tokenizer": files["tokenizer"], "train_files": [files["heldout"]], "eval_files": [files["heldout"]],
+                 "use_chat_template": False, "max_prompt_tokens": 6},
+        "rollout": {"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 6},
+        "reward": test_loop.DENSE_REWARD, "env": ENV, "eval": {"samples": 2, "k": [1, 2]},
+        "filter": {"output": str(tmp_path / "kept.jsonl"), "samples": 2, "bands": {"t": {"low": 0, "high": 1}}},
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(path), "--json", str(out), "--max-prompts", "4"]) == 0
+    result = json.loads(out.read_text())
+    assert result["environment"]["env/turns_per_conversation"] == TURNS
+    assert result["environment"]["env/finished_answered"] == 1.0
+    assert "environment: env/turns_per_conversation=3" in capsys.readouterr().out
+    played = []
+    run_episodes = episodes.run_episodes
+    monkeypatch.setattr(episodes, "run_episodes", lambda *a, **k: played.append(run_episodes(*a, **k)) or played[-1])
+    assert main(["filter", str(path)]) == 0
+    assert played and all(c.num_model_turns == TURNS for batch in played for c in batch.conversations)
