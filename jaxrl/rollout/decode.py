@@ -6,6 +6,8 @@ cache (``jaxrl.rollout.turn_cache``). Sampling semantics: the module doc of
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -89,27 +91,45 @@ def row_keys(seed, job):
     return jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(job[:, 0], job[:, 1])
 
 
+class Decoded(NamedTuple):
+    """What :func:`decode_loop` returns: tokens, raw and processed logprobs [B, N] (0 past each
+    row's length), lengths [B], stopped [B], routes [B, N, L_moe, k] (row j: the route of the
+    position that produced token j), last_routes [B, L_moe, k] (the route of each row's last fed
+    token, which no output row holds; routes of the position before it when a row made none),
+    both None for dense models, and the cache after the loop."""
+
+    tokens: jax.Array
+    raw: jax.Array
+    processed: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+    routes: jax.Array | None
+    last_routes: jax.Array | None
+    cache: object
+
+
 def decode_loop(model, logits, cache, start_positions, done, keys, temperature, top_k, top_p, stop_ids,
-                max_new_tokens, routes, *, new_token_bucket: int):
+                max_new_tokens, first_routes, *, new_token_bucket: int) -> Decoded:
     """Samples up to ``max_new_tokens`` tokens per row from ``logits`` [B, V] (the next-token
     logits after each row's context), feeding each sampled token to ``model`` through ``cache``
     (every row writes the cache's shared index). start_positions [B]: the position of each row's
     first new token; done [B]: rows that take no part (padding); keys [B, 2]: each row's PRNG
-    key (step ``s`` draws with ``fold_in(key, s)``); routes: [B, N, L_moe, k] int32 with row 0
-    set to the routes of the position that produced ``logits`` (None for dense models).
+    key (step ``s`` draws with ``fold_in(key, s)``); first_routes: [B, L_moe, k] int32, the
+    routes of the position that produced ``logits`` (None for dense models).
 
     Every sampled token is fed, the last one too, so afterwards the cache holds each row's
     context and its ``lengths`` new tokens; a row that stopped early wrote on (unused tokens)
-    until the loop ended: :func:`forget_unwritten` masks those cache rows.
-
-    Returns tokens, raw and processed logprobs [B, N] (0 past each row's length), lengths [B],
-    stopped [B], routes and the cache, N = new_token_bucket.
+    until the loop ended: :func:`forget_unwritten` masks those cache rows. N = new_token_bucket.
     """
     batch = logits.shape[0]
     tokens = jnp.zeros((batch, new_token_bucket), jnp.int32)
     raw = jnp.zeros((batch, new_token_bucket), F32)
     processed = jnp.zeros((batch, new_token_bucket), F32)
     lengths = jnp.zeros((batch,), jnp.int32)
+    routes = None
+    if first_routes is not None:  # one row more than the outputs: the last fed token's route
+        routes = jnp.zeros((batch, new_token_bucket + 1) + first_routes.shape[1:], jnp.int32)
+        routes = routes.at[:, 0].set(first_routes)
 
     def keep_going(carry):
         step, _, _, done, *_ = carry
@@ -127,15 +147,17 @@ def decode_loop(model, logits, cache, start_positions, done, keys, temperature, 
         position = (start_positions + step)[:, None]
         out = model(token[:, None], position, jnp.ones_like(position), cache=cache)
         if routes is not None:
-            nxt = jnp.minimum(step + 1, new_token_bucket - 1)
-            routes = routes.at[:, nxt].set(jnp.where((step + 1 < new_token_bucket), out.routed_experts[:, 0],
-                                                     routes[:, nxt]))
+            routes = routes.at[:, step + 1].set(out.routed_experts[:, 0])
         logits = model.head(out.hidden)[:, 0]
         return step + 1, logits, out.cache, done, lengths, tokens, raw, processed, routes
 
     carry = (jnp.zeros((), jnp.int32), logits, cache, done, lengths, tokens, raw, processed, routes)
     _, _, cache, done, lengths, tokens, raw, processed, routes = jax.lax.while_loop(keep_going, body, carry)
-    return tokens, raw, processed, lengths, done, routes, cache
+    last = None
+    if routes is not None:
+        last = jnp.take_along_axis(routes, lengths[:, None, None, None], axis=1)[:, 0]
+        routes = routes[:, :new_token_bucket]
+    return Decoded(tokens, raw, processed, lengths, done, routes, last, cache)
 
 
 def forget_unwritten(cache, decode_start, lengths):
@@ -147,4 +169,4 @@ def forget_unwritten(cache, decode_start, lengths):
     return cache._replace(segment_ids=jnp.where(unwritten, 0, cache.segment_ids))
 
 
-__all__ = ["decode_loop", "first_argmax", "forget_unwritten", "processed_logits", "row_keys", "sample_step"]
+__all__ = ["Decoded", "decode_loop", "first_argmax", "forget_unwritten", "processed_logits", "row_keys", "sample_step"]

@@ -63,7 +63,7 @@ from jaxrl.errors import needs_extra
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.rollout.base import Conversation, LogprobKind, RolloutEngine, Sample, SamplingParams
 from jaxrl.rollout.decode import decode_loop, forget_unwritten, processed_logits, row_keys, sample_step
-from jaxrl.rollout.turn_cache import Continuation, TurnCache, continue_jit, keeps_turns
+from jaxrl.rollout.turn_cache import Continuation, TurnCache, continue_jit, continued_prompt_routes, keeps_turns
 
 with needs_extra("jaxrl.rollout.sampler"):
     from flax import nnx
@@ -88,12 +88,12 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, tempe
     tokens at the same cache row P + step (positions still count from each row's first token).
     Returns (tokens, raw and processed logprobs [B, N], lengths [B], stopped [B], routed experts
     [B, N, L_moe, k] and the prefill's routed experts [B, P, L_moe, k] (both None for dense
-    models)), N = new_token_bucket, and with ``keep_cache`` the cache after the call (rows
-    past each sequence's tokens marked empty) for ``jaxrl.rollout.turn_cache``, else None.
+    models)), N = new_token_bucket, and with ``keep_cache`` what ``jaxrl.rollout.turn_cache``
+    keeps: (the cache after the call, rows past each sequence's tokens marked empty; the routes
+    of each sequence's last token, or None), else None.
     """
     model = nnx.merge(graphdef, state)
     prompt_bucket = prompt_ids.shape[1]
-    batch = rows.shape[0]
     pad = (prompt_bucket - prompt_lengths)[:, None]
     slots = jnp.arange(prompt_bucket, dtype=jnp.int32)[None, :]
     prompt_segments = (slots >= pad).astype(jnp.int32)
@@ -106,16 +106,11 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, tempe
                                segment_ids=per_row(out.cache.segment_ids))
     prompt_lengths = jnp.where(rows >= 0, per_row(prompt_lengths), 0)
     prompt_routes = None if out.routed_experts is None else per_row(out.routed_experts)
-    routes = None
-    if prompt_routes is not None:
-        first = prompt_routes[:, -1]
-        routes = jnp.zeros((batch, new_token_bucket) + first.shape[1:], jnp.int32).at[:, 0].set(first)
-
-    tokens, raw, processed, lengths, done, routes, cache = decode_loop(
-        model, logits, cache, prompt_lengths, prompt_lengths == 0, row_keys, temperature, top_k, top_p, stop_ids,
-        max_new_tokens, routes, new_token_bucket=new_token_bucket)
-    kept = forget_unwritten(cache, prompt_bucket, lengths) if keep_cache else None
-    return (tokens, raw, processed, lengths, done, routes, prompt_routes), kept
+    d = decode_loop(model, logits, cache, prompt_lengths, prompt_lengths == 0, row_keys, temperature, top_k, top_p,
+                    stop_ids, max_new_tokens, None if prompt_routes is None else prompt_routes[:, -1],
+                    new_token_bucket=new_token_bucket)
+    kept = (forget_unwritten(d.cache, prompt_bucket, d.lengths), d.last_routes) if keep_cache else None
+    return (d.tokens, d.raw, d.processed, d.lengths, d.stopped, d.routes, prompt_routes), kept
 
 
 # One jit for every sampler instance: samplers of equal models share compiled buckets.
@@ -277,10 +272,16 @@ class JaxSampler(RolloutEngine):
         if self.mesh is not None:
             args = jax.device_put(args, batch_shardings(args, self.mesh))
         outputs, kept = self._call(lambda: continue_jit(
-            self._graphdef, self._state, kept, *args, *self._scalars(params), new_token_bucket=new_bucket,
-            cache_len=cache_len))
-        tokens, raw, processed, lengths, stopped = jax.device_get(outputs)
-        return self._samples(prompts, params, tokens, raw, processed, lengths, stopped), kept
+            self._graphdef, self._state, kept, self._turns.last_routes, *args, *self._scalars(params),
+            new_token_bucket=new_bucket, cache_len=cache_len))
+        tokens, raw, processed, lengths, stopped, routes, chunk_routes, previous = jax.device_get(outputs)
+        samples = self._samples(prompts, params, tokens, raw, processed, lengths, stopped)
+        if routes is not None:
+            for r, (sample, chunk) in enumerate(zip(samples, plan.chunks, strict=True)):
+                sample.routed_experts = routes[r, :len(sample.output_ids)].copy()
+                sample.prompt_routed_experts = continued_prompt_routes(
+                    len(prompts[r]), chunk.size, width, previous[r], chunk_routes[r])
+        return samples, kept
 
     def _check_weights(self) -> None:
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self._state)):

@@ -16,11 +16,16 @@ token keeps its position in its conversation, so attention and RoPE see exactly 
 conversation: the logprobs are a fresh prefill's up to float32 rounding
 (tests/env/test_turn_cache.py).
 
+MoE models: the routes of positions already in the cache are not computed again; the sample
+of a continued turn reports the routes of what this call fed (the previous turn's last token,
+kept from its decode step, and the new tokens) and -1 before them, which is all
+``Conversation.add_model_turn`` reads: earlier positions keep the routes they had.
+
 A call falls back to reading the conversations afresh (and keeps that cache instead) when a
-model has a linear-attention layer (its recurrent state would decay across the empty rows) or
-MoE layers (the routes of cached positions are not kept yet), with several JAX processes, more
-conversations than ``max_batch``, after a weight push, for a conversation without a model turn
-or without new tokens, or when the kept cache would outgrow ``max_cache_len``.
+model has a linear-attention layer (its recurrent state would decay across the empty rows),
+with several JAX processes, more conversations than ``max_batch``, after a weight push, for a
+conversation without a model turn or without new tokens, or when the kept cache would outgrow
+``max_cache_len``.
 """
 
 from __future__ import annotations
@@ -38,9 +43,8 @@ from jaxrl.rollout.decode import decode_loop, forget_unwritten
 
 def keeps_turns(config) -> bool:
     """Whether a model can continue conversations from a kept cache: softmax attention in every
-    layer, no MoE layer, one JAX process (see the module doc)."""
-    return (all(kind == "full_attention" for kind in config.layer_types)
-            and "moe" not in config.mlp_types and jax.process_count() == 1)
+    layer, one JAX process (see the module doc)."""
+    return all(kind == "full_attention" for kind in config.layer_types) and jax.process_count() == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +59,27 @@ class Continuation:
 
 @dataclasses.dataclass
 class TurnCache:
-    """The cache of the sampler's last ``continue_conversations`` call (device arrays), which
-    row holds which conversation (its token ids, as bytes), each row's token count, the next
-    cache row to write, and the weight version it was computed with."""
+    """The cache of the sampler's last ``continue_conversations`` call and, for MoE models, the
+    routes of each row's last token (device arrays); which row holds which conversation (its
+    token ids, as bytes), each row's token count, the next cache row to write, and the weight
+    version it was computed with."""
 
     cache: object
+    last_routes: object
     rows: dict[bytes, int]
     lengths: np.ndarray
     index: int
     version: str
 
     @classmethod
-    def after(cls, cache, prompts: Sequence[np.ndarray], outputs: Sequence[np.ndarray], version: str) -> "TurnCache":
-        """The kept cache of a call over ``prompts`` that generated ``outputs`` (row r: prompt r)."""
+    def after(cls, kept: tuple, prompts: Sequence[np.ndarray], outputs: Sequence[np.ndarray],
+              version: str) -> "TurnCache":
+        """What a call over ``prompts`` that generated ``outputs`` (row r: prompt r) keeps:
+        ``kept`` = (cache, last routes or None) from the jitted call."""
+        cache, last_routes = kept
         tokens = [np.concatenate([p, o]).astype(np.int32) for p, o in zip(prompts, outputs, strict=True)]
-        return cls(cache, {t.tobytes(): r for r, t in enumerate(tokens)}, np.array([t.size for t in tokens]),
-                   int(jax.device_get(cache.index)), version)
+        return cls(cache, last_routes, {t.tobytes(): r for r, t in enumerate(tokens)},
+                   np.array([t.size for t in tokens]), int(jax.device_get(cache.index)), version)
 
     def plan(self, conversations: Sequence[Conversation], version: str) -> Continuation | None:
         """The continuation of ``conversations`` from this cache, or None when one of them does
@@ -92,12 +101,14 @@ class TurnCache:
         return Continuation(take, chunks, self.lengths[take].astype(np.int32))
 
 
-def _continue(graphdef, state, cache, take, chunk_ids, chunk_lengths, base, keys, temperature, top_k, top_p,
-              stop_ids, max_new_tokens, *, new_token_bucket: int, cache_len: int):
+def _continue(graphdef, state, cache, last_routes, take, chunk_ids, chunk_lengths, base, keys, temperature, top_k,
+              top_p, stop_ids, max_new_tokens, *, new_token_bucket: int, cache_len: int):
     """Gathers the kept rows ``take`` [B] of ``cache`` (grown to ``cache_len`` rows), writes
     each row's chunk chunk_ids [B, C] (left-padded, chunk_lengths [B] tokens, positions from
     base [B]) at the shared index, then decodes. Rows with an empty chunk are padding.
-    Returns ((tokens, raw, processed logprobs [B, N], lengths, stopped), the kept cache)."""
+    Returns ((tokens, raw, processed logprobs [B, N], lengths, stopped, routes [B, N, L_moe, k],
+    the chunk's routes [B, C, L_moe, k], the kept last routes of the rows taken [B, L_moe, k];
+    the routes None for dense models), (the kept cache, its rows' last routes))."""
     from flax import nnx
 
     model = nnx.merge(graphdef, state)
@@ -114,12 +125,26 @@ def _continue(graphdef, state, cache, take, chunk_ids, chunk_lengths, base, keys
                 cache=cache)
     logits = model.head(out.hidden[:, -1:])[:, 0]
     decode_start = cache.index + width
-    tokens, raw, processed, lengths, done, _, cache = decode_loop(
-        model, logits, out.cache, base + chunk_lengths, chunk_lengths == 0, keys, temperature, top_k, top_p,
-        stop_ids, max_new_tokens, None, new_token_bucket=new_token_bucket)
-    return (tokens, raw, processed, lengths, done), forget_unwritten(cache, decode_start, lengths)
+    chunk_routes = out.routed_experts
+    d = decode_loop(model, logits, out.cache, base + chunk_lengths, chunk_lengths == 0, keys, temperature, top_k,
+                    top_p, stop_ids, max_new_tokens, None if chunk_routes is None else chunk_routes[:, -1],
+                    new_token_bucket=new_token_bucket)
+    previous = None if last_routes is None else jnp.take(last_routes, take, axis=0)
+    return ((d.tokens, d.raw, d.processed, d.lengths, d.stopped, d.routes, chunk_routes, previous),
+            (forget_unwritten(d.cache, decode_start, d.lengths), d.last_routes))
+
+
+def continued_prompt_routes(length: int, chunk: int, width: int, previous: np.ndarray,
+                            chunk_routes: np.ndarray) -> np.ndarray:
+    """A continued turn's ``Sample.prompt_routed_experts`` [length - 1, L_moe, k]: -1 for the
+    positions already in the cache, then the previous turn's last token (``previous``) and the
+    chunk's tokens but its last (``chunk_routes`` [width, ...], left-padded, of ``chunk`` tokens)."""
+    out = np.full((length - 1,) + previous.shape, -1, np.int32)
+    out[length - chunk - 1] = previous
+    out[length - chunk:] = chunk_routes[width - chunk:width - 1]
+    return out
 
 
 continue_jit = jax.jit(_continue, static_argnums=(0,), static_argnames=("new_token_bucket", "cache_len"))
 
-__all__ = ["Continuation", "TurnCache", "continue_jit", "keeps_turns"]
+__all__ = ["Continuation", "TurnCache", "continue_jit", "continued_prompt_routes", "keeps_turns"]

@@ -78,13 +78,26 @@ def test_a_weight_push_or_an_unknown_conversation_reads_afresh():
     assert engine.turn_calls == {"continued": 1, "fresh": 4}
 
 
-@pytest.mark.parametrize("change", [
-    {"num_layers": 2, "layer_types": ("gated_deltanet", "full_attention"), "linear_num_key_heads": 1,
-     "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_chunk_size": 4},
-    {"mlp_types": ("moe", "dense"), "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
-], ids=["linear-attention", "moe"])
-def test_models_the_kept_cache_cannot_serve_read_every_turn_afresh(change):
-    model = Decoder(DENSE.replace(**change), rngs=nnx.Rngs(0))
+def test_moe_routes_of_continued_turns_are_a_fresh_reads():
+    """A MoE model continues from the kept cache too: every position's route in the conversations
+    (the earlier turns', the last token of each turn, kept from its decode step, and the new
+    tokens') equals what reading every turn afresh records."""
+    model = Decoder(DENSE.replace(mlp_types=("moe", "dense"), num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=16), rngs=nnx.Rngs(0))
+    kept, fresh = JaxSampler(model, max_batch=16), JaxSampler(model, max_batch=16, keep_turns=False)
+    with_cache, without = play(kept, ROWS[:8]), play(fresh, ROWS[:8])
+    assert kept.turn_calls["continued"] == 3
+    for a, b in zip(with_cache, without, strict=True):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5)
+        assert a.routed_experts.shape == (len(a.token_ids) - 1, 1, 2)
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+
+
+def test_linear_attention_models_read_every_turn_afresh():
+    model = Decoder(DENSE.replace(layer_types=("gated_deltanet", "full_attention"), linear_num_key_heads=1,
+                                  linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                                  linear_chunk_size=4), rngs=nnx.Rngs(0))
     engine = JaxSampler(model, max_batch=16)
     assert not engine.keep_turns
     conversations = play(engine, ROWS[:4])
