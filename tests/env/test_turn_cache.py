@@ -3,7 +3,6 @@ continued from it samples what a fresh read of the whole conversation samples, w
 logprobs up to float32 rounding; anything it cannot serve is read afresh."""
 
 import numpy as np
-import pytest
 from flax import nnx
 
 from jaxrl.env import Environment, EnvLimits, StepResult, run_episodes
