@@ -38,6 +38,22 @@ def generate_conversations(engine: RolloutEngine, envs: EnvRouter, examples: Seq
     return [samples[i * n:(i + 1) * n] for i in range(len(examples))]
 
 
+def recording_conversations(engine: RolloutEngine, envs: EnvRouter | None):
+    """(generate, played) for ``jaxrl.evaluation``'s ``generate``: with environments, prompts are
+    played as conversations (``generate_conversations``) and every played sample is appended to
+    ``played`` (for its ``env/*`` metrics); without, (None, [])."""
+    played: list[Sample] = []
+    if envs is None:
+        return None, played
+
+    def generate(examples, params, n):
+        samples = generate_conversations(engine, envs, examples, params, n)
+        played.extend(s for group in samples for s in group)
+        return samples
+
+    return generate, played
+
+
 def with_environment_rewards(scored: ScoredBatch, samples: Sequence[Sample]) -> ScoredBatch:
     """The task's scores plus each conversation's environment reward (where it gave one)."""
     rewards = np.asarray([0.0 if s.episode is None or s.episode.reward is None else float(s.episode.reward)

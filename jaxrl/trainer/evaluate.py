@@ -143,6 +143,7 @@ def eval_main(argv: Sequence[str]) -> int:
 
     def body(setup: _Setup) -> int:
         from jaxrl.evaluation import evaluate
+        from jaxrl.trainer.episodes import environment_metrics
 
         e = setup.config.eval
         if not setup.config.data.eval_files:
@@ -154,7 +155,7 @@ def eval_main(argv: Sequence[str]) -> int:
                           e.samples, e.k, chunk_prompts=chunk, generate=generate)
         result = dataclasses.replace(result, sampling={**result.sampling, "model": setup.model_source,
                                                        "files": list(setup.config.data.eval_files)},
-                                     environment=_environment_metrics(played))
+                                     environment=environment_metrics(played))
         print(result.table())
         if args.json:
             result.write_json(args.json)
@@ -165,28 +166,13 @@ def eval_main(argv: Sequence[str]) -> int:
 
 
 def _conversations(setup: _Setup):
-    """With an ``env`` section, prompts are played as conversations with their environments, as
-    the trainer's held-out evaluation plays them: (the generate function, the list the played
-    samples are collected in); (None, []) without one."""
-    if setup.config.env is None:
-        return None, []
+    """(generate, played samples): with an ``env`` section, prompts are played as conversations
+    with their environments, as the trainer's held-out evaluation plays them."""
     from jaxrl.env import EnvRouter
-    from jaxrl.trainer.episodes import generate_conversations
+    from jaxrl.trainer.episodes import recording_conversations
 
-    envs, played = EnvRouter(setup.config.env, setup.tokenizer), []
-
-    def generate(examples, params, n):
-        samples = generate_conversations(setup.engine, envs, examples, params, n)
-        played.extend(s for group in samples for s in group)
-        return samples
-
-    return generate, played
-
-
-def _environment_metrics(played) -> dict:
-    from jaxrl.trainer.episodes import environment_metrics
-
-    return environment_metrics(played) if played else {}
+    envs = EnvRouter(setup.config.env, setup.tokenizer) if setup.config.env is not None else None
+    return recording_conversations(setup.engine, envs)
 
 
 def filter_main(argv: Sequence[str]) -> int:

@@ -58,7 +58,8 @@ from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.critic import Critic
 from jaxrl.trainer.dynamic_sampling import Drawn, fill_with_signal
 from jaxrl.trainer.guard import UpdateGuard
-from jaxrl.trainer.episodes import environment_metrics, generate_conversations, with_environment_rewards
+from jaxrl.trainer.episodes import (environment_metrics, generate_conversations, recording_conversations,
+                                    with_environment_rewards)
 from jaxrl.trainer.judges import build_reward_router, judge_cache_path
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_rl
 from jaxrl.trainer.metrics import StageClock
@@ -372,16 +373,11 @@ class RLTrainer:
         if not self.eval_examples:
             return {}
         e = self.config.eval
-        played = []  # with an env section: the held-out conversations, for their heldout/env/* metrics
-
-        def conversations(examples, params, n):
-            samples = generate_conversations(self.engine, self.envs, examples, params, n)
-            played.extend(s for group in samples for s in group)
-            return samples
-
+        # With an env section: the held-out prompts are conversations, recorded for heldout/env/*.
+        conversations, played = recording_conversations(self.engine, self.envs)
         result = evaluate(self.engine, self.router, self.tokenizer, self.eval_examples,
                           self._sampling(_seed(self.config.seed, -1), e.temperature), e.samples, e.k,
-                          on_error=self.errors.append, generate=conversations if self.envs is not None else None)
+                          on_error=self.errors.append, generate=conversations)
         return {**result.metrics("heldout"), **{f"heldout/{k}": v for k, v in self.router.take_metrics().items()},
                 **{f"heldout/{k}": v for k, v in environment_metrics(played).items()}}
 

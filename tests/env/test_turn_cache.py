@@ -49,6 +49,9 @@ def test_continued_turns_sample_what_a_fresh_read_samples():
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
         np.testing.assert_array_equal(a.model_mask, b.model_mask)
         np.testing.assert_allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5)
+    pairs = zip(with_cache, without, strict=True)
+    gap = max(float(np.abs(a.rollout_logprobs - b.rollout_logprobs).max()) for a, b in pairs)
+    print(f"max |logprob kept cache - fresh read| {gap:.2g}")
     # And the learner's recompute of the whole conversations agrees on every model token.
     lengths = np.array([len(c.token_ids) for c in with_cache])
     tokens = np.zeros((len(with_cache), lengths.max()), np.int32)
