@@ -126,8 +126,12 @@ def run_cell(root: str, spec: dict, cell: Cell, seed: int, steps: int, out: str,
     settings = {**spec["rl"], **cell.overrides, "engine": cell.engine, "steps": steps, **(extra or {})}
     saved = os.path.join(run_dir, "record.json")
     if os.path.exists(saved):
-        with open(saved) as f:
-            record = json.load(f)
+        try:
+            with open(saved) as f:
+                record = json.load(f)
+        except ValueError:  # a run killed mid-write: run it again
+            record = {}
+            print(f"[experiment] {saved} is not readable JSON; running {cell.name} seed {seed} again")
         if record.get("settings") == json.loads(json.dumps(settings)):
             return {**record, "kept": True}
     start = time.perf_counter()

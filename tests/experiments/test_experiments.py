@@ -53,6 +53,13 @@ def test_quick_grid_writes_runs_figures_and_verdicts(tiny, tmp_path, name):
     assert all(r["kept"] for r in again) and not any(r["kept"] for r in records)
     assert [{**r, "kept": False} for r in again] == records
     assert f"{len(expected)} of them kept from an earlier invocation" in open(path).read()
+    # A record torn by a kill is not trusted: that run alone runs again.
+    torn = os.path.join(out, "runs", *expected[-1].name.split("/"), "seed0", "record.json")
+    with open(torn, "w") as f:
+        f.write('{"cell": ')
+    registry.run(name, out, quick=True, steps=2, log=lambda line: None)
+    kept = [r["kept"] for r in json.load(open(os.path.join(out, "runs.json")))]
+    assert kept == [True] * (len(expected) - 1) + [False]
 
 
 def test_cli_lists_the_experiment_command():
