@@ -190,7 +190,7 @@ def rl_step_programs(config: TrainConfig, model_config: ModelConfig, devices: li
     train_attention = (1 + BACKWARD_ATTENTION) * attention_flops(c, rows, length)
     programs = [Program(
         "train_step", f"optimizer step: {rows} rows x {length} tokens in {config.update.micro_batches} micro-batches, "
-        f"remat {c.remat}, attention {impl}",
+        f"remat {c.remat}, attention {impl}" + (", layers scanned" if c.scan_layers else ""),
         lambda: step.lower(state, batch), model_flops=6.0 * n * rows * length + train_attention,
         kernel_flops=(train_attention if splash else 0.0) + 6.0 * experts * rows * length,
         min_hbm_bytes=2 * state_bytes, resident_bytes=held)]

@@ -130,10 +130,11 @@ NOTES = (
     "beside the program but not its arguments (optimizer state during scoring and sampling, the KL reference's "
     "copy); total = args + out + temp + code + held.",
     "XLA TFLOP: compiled.cost_analysis() per device; XLA counts a loop body once (the micro-batch scan, the "
-    "decode while-loop, the chunked LM head) and not at all custom calls such as Pallas kernels. kernel: the "
-    "Pallas kernels' FLOPs, analytic: splash attention (causal forward 2*B*H*T^2*D per layer, backward 2.5x) and "
-    "the MoE experts' gmm/tgmm (2 x tokens x k x 3*D*I per MoE layer forward, 2x that backward). model: "
-    "analytic matmul (6N per trained token, 2N per scored or decoded one) + attention FLOPs per device.",
+    "scanned layers, the decode while-loop, the chunked LM head) and not at all custom calls such as Pallas "
+    "kernels. kernel: the Pallas kernels' FLOPs, analytic: splash attention (causal forward 2*B*H*T^2*D per "
+    "layer, backward 2.5x) and the MoE experts' gmm/tgmm (2 x tokens x k x 3*D*I per MoE layer forward, 2x that "
+    "backward). model: analytic matmul (6N per trained token, 2N per scored or decoded one) + attention FLOPs per "
+    "device.",
     "roofline: max(max(XLA + kernel, model) FLOPs / peak, unavoidable HBM bytes / bandwidth): the train step "
     "reads and writes its state, a scorer reads the weights, each decode step re-reads the weights (KV cache "
     "reads not counted); a lower bound, not a prediction.",

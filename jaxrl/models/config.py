@@ -89,6 +89,8 @@ class ModelConfig:
     runs and `attention_block_size` the query/key block of the chunked form
     (docs/models.md#attention-implementations); `context_parallel` (one of `CONTEXT_PARALLEL_NAMES`) whether
     the full forward's token mixers split the sequence Ulysses style (docs/models.md#context-parallelism).
+    `scan_layers` runs the full forward's blocks as one `lax.scan` (one compiled block body; needs
+    every layer of one kind; docs/models.md#scanned-layers).
     Like `dtype` and `remat` they are runtime choices, not HF fields.
     """
 
@@ -114,6 +116,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: str = "none"
+    scan_layers: bool = False
     attention_impl: str = "auto"
     attention_block_size: int = 512
     context_parallel: str = "auto"
@@ -207,6 +210,12 @@ class ModelConfig:
                              f"choose one of {list(CONTEXT_PARALLEL_NAMES)}")
         if self.remat != "none" and self.remat not in REMAT_POLICY_NAMES:
             raise ValueError(f"ModelConfig.remat = {self.remat!r}; choose 'none' or one of {list(REMAT_POLICY_NAMES)}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"ModelConfig.scan_layers must be true or false, got {self.scan_layers!r}")
+        if self.scan_layers and (len(set(self.layer_types)) > 1 or len(set(self.mlp_types)) > 1):
+            raise ValueError("ModelConfig.scan_layers needs every layer of one attention kind and one MLP kind; "
+                             f"this model mixes layer_types {sorted(set(self.layer_types))} and mlp_types "
+                             f"{sorted(set(self.mlp_types))}: set scan_layers false")
 
     @property
     def moe_layer_indices(self) -> tuple[int, ...]:

@@ -131,6 +131,24 @@ def load_balancing_loss(probs: list[jax.Array], experts: list[jax.Array], mask: 
     return num_experts * jnp.sum((counts / rows) * (prob_sums / rows))
 
 
+def stack_blocks(blocks) -> tuple[nnx.GraphDef, nnx.State]:
+    """The blocks' shared graph and their weights stacked on a new leading axis (replicated over the
+    mesh: each weight keeps its own logical sharding). ValueError when the blocks differ in structure."""
+    split = [nnx.split(block) for block in blocks]
+    graphdef = split[0][0]
+    for i, (other, _) in enumerate(split[1:], start=1):
+        if other != graphdef:
+            raise ValueError(f"ModelConfig.scan_layers: block {i} differs from block 0 in structure; "
+                             "scanning needs every layer of one attention kind and one MLP kind")
+
+    def stack(*variables: nnx.Variable) -> nnx.Variable:
+        value = jnp.stack([v[...] for v in variables])
+        return variables[0].replace(constrain(value, (None, *variables[0].logical_axes)))
+
+    return graphdef, jax.tree.map(stack, *(state for _, state in split),
+                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 class Decoder(nnx.Module):
     """Qwen3 / Qwen3-MoE style decoder configured per layer by `ModelConfig`."""
 
@@ -188,23 +206,32 @@ class Decoder(nnx.Module):
         if cache is not None:
             write_index = cache.index
             kv_segment_ids = write_rows(cache.segment_ids, segment_ids, write_index)
-        remat = c.remat != "none" and cache is None
-        block_call = (nnx.remat(Block.__call__, policy=REMAT_POLICIES[c.remat]) if remat else Block.__call__)
         layer_caches, probs, experts, z_terms = [], [], [], []
-        for i, block in enumerate(self.layers):
-            layer_cache = None if cache is None else cache.layers[i]
-            replayed = routed_experts is not None and i in moe_layers
-            routes = routed_experts[:, :, moe_layers.index(i)] if replayed else None
-            h, layer_cache, (attn_out, mlp_out), routing = block_call(
-                block, h, positions, segment_ids, layer_cache, kv_segment_ids, write_index, routes)
-            layer_caches.append(layer_cache)
-            if routing is not None:
-                probs.append(routing[0])
-                experts.append(routing[1])
-                z_terms.append(routing[2])
+        if c.scan_layers and cache is None:
+            h, routings, captured = self._scan_blocks(h, positions, segment_ids, routed_experts, capture)
+            if routings is not None:
+                probs, experts, z_terms = (list(stacked) for stacked in routings)
             if capture:
-                activations.update({f"layers.{i}.attn": attn_out, f"layers.{i}.mlp": mlp_out,
-                                    f"layers.{i}.out": h})
+                for i, (attn_out, mlp_out, out) in enumerate(zip(*captured, strict=True)):
+                    activations.update({f"layers.{i}.attn": attn_out, f"layers.{i}.mlp": mlp_out,
+                                        f"layers.{i}.out": out})
+        else:
+            remat = c.remat != "none" and cache is None
+            block_call = (nnx.remat(Block.__call__, policy=REMAT_POLICIES[c.remat]) if remat else Block.__call__)
+            for i, block in enumerate(self.layers):
+                layer_cache = None if cache is None else cache.layers[i]
+                replayed = routed_experts is not None and i in moe_layers
+                routes = routed_experts[:, :, moe_layers.index(i)] if replayed else None
+                h, layer_cache, (attn_out, mlp_out), routing = block_call(
+                    block, h, positions, segment_ids, layer_cache, kv_segment_ids, write_index, routes)
+                layer_caches.append(layer_cache)
+                if routing is not None:
+                    probs.append(routing[0])
+                    experts.append(routing[1])
+                    z_terms.append(routing[2])
+                if capture:
+                    activations.update({f"layers.{i}.attn": attn_out, f"layers.{i}.mlp": mlp_out,
+                                        f"layers.{i}.out": h})
         hidden = self.final_norm(h)
         if capture:
             activations["final_norm"] = hidden
@@ -220,6 +247,28 @@ class Decoder(nnx.Module):
         if routed_experts is not None and experts:  # what each router would have chosen itself
             own = jnp.stack([jax.lax.top_k(p, c.num_experts_per_tok)[1] for p in probs], axis=2).astype(jnp.int32)
         return DecoderOutput(hidden, aux_loss, new_cache, used, activations, own, z_loss)
+
+    def _scan_blocks(self, h, positions, segment_ids, routed_experts, capture):
+        """The full forward's blocks as one ``lax.scan`` over their weights stacked on a leading layer
+        axis (``ModelConfig.scan_layers``, MaxText's ``scan_layers``): XLA compiles one block body, so
+        compile time and the compiler's memory no longer grow with depth. The stacking copies the
+        blocks' weights once per forward (and their gradient once per backward); the parameter tree
+        stays per layer, so checkpoints, weight pushes and HF loading do not change.
+        Returns (h, (probs, experts, z terms) each stacked [L, ...] or None, (attn, mlp, out) stacked
+        [L, B, T, D] when ``capture`` else None)."""
+        graphdef, stacked = stack_blocks(self.layers)
+        routes = None if routed_experts is None else jnp.moveaxis(routed_experts, 2, 0)  # [L, B, T, k]
+
+        def body(h, layer):
+            state, layer_routes = layer
+            h, _, (attn_out, mlp_out), routing = nnx.merge(graphdef, state)(
+                h, positions, segment_ids, routes=layer_routes)
+            return h, (routing, (attn_out, mlp_out, h) if capture else None)
+
+        if self.config.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.config.remat], prevent_cse=False)
+        h, (routings, captured) = jax.lax.scan(body, h, (stacked, routes))
+        return h, routings, captured
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """Full logits [..., V] float32 from final hidden states (compute-dtype inputs, f32 accumulation).

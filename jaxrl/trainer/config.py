@@ -30,9 +30,10 @@ class PolicyConfig:
     """Where the initial weights come from: ``hf_path`` (a transformers Qwen3 / Qwen3-MoE /
     MiniMax / Qwen3-Next folder, e.g. the SFT warm-up's ``checkpoint.export_hf``), else a random
     init of ``architecture`` with ``init_seed``. ``dtype``/``param_dtype``/``remat``/
-    ``attention_impl``/``attention_block_size``/``context_parallel`` override the architecture's
+    ``attention_impl``/``attention_block_size``/``context_parallel``/``scan_layers`` override the architecture's
     (``remat``: "none" or one of the model's remat policies; ``attention_impl``:
-    docs/models.md#attention-implementations; ``context_parallel``: docs/models.md#context-parallelism)."""
+    docs/models.md#attention-implementations; ``context_parallel``: docs/models.md#context-parallelism;
+    ``scan_layers``: docs/models.md#scanned-layers)."""
 
     hf_path: str = ""
     architecture: ModelConfig | None = None
@@ -43,8 +44,10 @@ class PolicyConfig:
     attention_impl: Literal["auto", "xla", "chunked", "splash"] | None = None
     attention_block_size: int | None = None
     context_parallel: Literal["auto", "none", "ulysses"] | None = None
+    scan_layers: bool | None = None
 
-    _OVERRIDES = ("dtype", "param_dtype", "remat", "attention_impl", "attention_block_size", "context_parallel")
+    _OVERRIDES = ("dtype", "param_dtype", "remat", "attention_impl", "attention_block_size", "context_parallel",
+                  "scan_layers")
 
     def __post_init__(self):
         if not self.hf_path and self.architecture is None:

@@ -31,13 +31,13 @@ SPLASH_FORWARD = ("splash_mqa_fwd",)
 SPLASH_BACKWARD = ("splash_mqa_dq", "splash_mqa_dkv")
 
 
-def _config(tmp_path, architecture, mesh, evaluate: bool = False, **sections) -> str:
+def _config(tmp_path, architecture, mesh, evaluate: bool = False, scan_layers: bool = False, **sections) -> str:
     """An RL config over ``architecture`` (random init: nothing is read); ``evaluate`` adds held-out
     files, so the eval sampler's program compiles too."""
     config = {
         "output_dir": str(tmp_path / "run"), "steps": 10,
         "model": {"architecture": architecture, "dtype": "bfloat16", "remat": "save_dots",
-                  "attention_impl": "splash", "attention_block_size": 128},
+                  "attention_impl": "splash", "attention_block_size": 128, "scan_layers": scan_layers},
         "mesh": mesh,
         "data": {"tokenizer": "unused", "train_files": ["unused.jsonl"],
                  "eval_files": ["unused.jsonl"] if evaluate else [], "max_prompt_tokens": 64},
@@ -112,12 +112,14 @@ def test_moe_model_compiles_for_v5p_over_data_fsdp_and_expert(tmp_path):
     assert programs["train_step"]["kernel_flops_per_device"] >= 6 * experts * rows * length / 8
 
 
-@pytest.mark.parametrize("architecture, topology, mesh", [
-    (ARCHITECTURE, "v5p:2x2x2", {"data": 2, "fsdp": 2, "tensor": 2}),
-    (MOE, "v5e:2x2", {"fsdp": 2, "expert": 2}),
-], ids=["dense-v5p", "moe-v5e"])
-def test_each_models_train_step_compiles_for_the_other_topology(tmp_path, architecture, topology, mesh):
-    done, report = _compile(_config(tmp_path, architecture, mesh), topology, tmp_path, "--only", "train_step")
+@pytest.mark.parametrize("architecture, topology, mesh, scan_layers", [
+    (ARCHITECTURE, "v5p:2x2x2", {"data": 2, "fsdp": 2, "tensor": 2}, False),
+    (MOE, "v5e:2x2", {"fsdp": 2, "expert": 2}, True),
+], ids=["dense-v5p", "moe-v5e-scanned"])
+def test_each_models_train_step_compiles_for_the_other_topology(tmp_path, architecture, topology, mesh, scan_layers):
+    """The MoE step with ``model.scan_layers`` (as the 30B config): the kernels lower inside the scanned body."""
+    done, report = _compile(_config(tmp_path, architecture, mesh, scan_layers=scan_layers), topology, tmp_path,
+                            "--only", "train_step")
     assert done.returncode == 0, done.stderr[-3000:]
     assert report["fits"] and report["devices"] == (8 if topology.startswith("v5p") else 4)
     train_step = _programs(report)["train_step"]

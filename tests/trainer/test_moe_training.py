@@ -81,8 +81,9 @@ class RouterNoiseEngine:
 
 
 def moe_config(files, checkpoint, out, replay: bool, **sections):
-    sections = {**sections, "update": {"routing_replay": replay, **sections.get("update", {})}}
-    return make_config(files, out, model={"hf_path": checkpoint}, rollout=ROLLOUT, **sections)
+    sections = {**sections, "update": {"routing_replay": replay, **sections.get("update", {})},
+                "model": {"hf_path": checkpoint, **sections.get("model", {})}}
+    return make_config(files, out, rollout=ROLLOUT, **sections)
 
 
 def embedded_engine(config, scale: float = ROUTER_NOISE):
@@ -201,6 +202,26 @@ def test_expert_parallel_replay_equals_one_device(files, moe_checkpoint, tmp_pat
         params[name] = run(config, embedded_engine(config, scale=0.05))[3]
     for a, b in zip(jax.tree.leaves(params["one"]), jax.tree.leaves(params["ep"]), strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_scanned_layers_give_the_unrolled_update(files, moe_checkpoint, tmp_path, monkeypatch):
+    """``model.scan_layers`` with replay, full remat and fsdp x expert sharding (the 30B TPU config's
+    choices): the learner's forwards run as one scan over the stacked blocks, and two steps end at
+    the parameters of the unrolled run."""
+    from jaxrl.models.decoder import Decoder
+
+    scans = []
+    scan_blocks = Decoder._scan_blocks
+    monkeypatch.setattr(Decoder, "_scan_blocks", lambda self, *a: scans.append(1) or scan_blocks(self, *a))
+    params = {}
+    for scan in (False, True):
+        scans.clear()
+        config = moe_config(files, moe_checkpoint, tmp_path / str(scan), replay=True, steps=2,
+                            mesh={"fsdp": 2, "expert": 2}, model={"remat": "full", "scan_layers": scan})
+        params[scan] = run(config, embedded_engine(config, scale=0.05))[3]
+        assert bool(scans) == scan  # traced by the recompute and the train step, never by the sampler
+    for a, b in zip(jax.tree.leaves(params[False]), jax.tree.leaves(params[True]), strict=True):
+        np.testing.assert_allclose(b, a, atol=2e-5)
 
 
 @pytest.mark.parametrize("option", [{"routing_replay": True}, {"router_z_loss": 1e-3}])
