@@ -7,7 +7,7 @@ replay the recompute's mismatch and route disagreement show it; with replay the 
 ``old_logp`` are a plain decoder forward that uses the engine's routes, the mismatch falls by
 orders of magnitude (only the combine weights, which come from the learner's router, still
 differ), the router still learns, the routes travel through packing and mini/micro-batches
-unchanged, and expert-parallel sharding gives the one-device update. The same on a real CPU
+unchanged, and expert-parallel sharding with scanned layers gives the one-device update. The same on a real CPU
 SGLang MoE fleet, whose returned routes the trainer replays.
 """
 
@@ -195,33 +195,24 @@ def test_routes_travel_through_packing_and_mini_and_micro_batches(files, moe_che
         np.testing.assert_allclose(a, b, atol=2e-5)
 
 
-def test_expert_parallel_replay_equals_one_device(files, moe_checkpoint, tmp_path):
-    params = {}
-    for name, mesh in (("one", {}), ("ep", {"data": 2, "expert": 4})):
-        config = moe_config(files, moe_checkpoint, tmp_path / name, replay=True, steps=2, mesh=mesh)
-        params[name] = run(config, embedded_engine(config, scale=0.05))[3]
-    for a, b in zip(jax.tree.leaves(params["one"]), jax.tree.leaves(params["ep"]), strict=True):
-        np.testing.assert_allclose(a, b, atol=2e-5)
-
-
-def test_scanned_layers_give_the_unrolled_update(files, moe_checkpoint, tmp_path, monkeypatch):
-    """``model.scan_layers`` with replay, full remat and fsdp x expert sharding (the 30B TPU config's
-    choices): the learner's forwards run as one scan over the stacked blocks, and two steps end at
-    the parameters of the unrolled run."""
+def test_expert_parallel_scanned_replay_equals_one_device(files, moe_checkpoint, tmp_path, monkeypatch):
+    """data x fsdp x expert sharding with ``model.scan_layers`` and full remat (the 30B TPU config's
+    choices) against one device with unrolled layers: two replayed steps end at the same parameters,
+    and only the scanned run's learner traces the scan (the sampler decodes layer by layer)."""
     from jaxrl.models.decoder import Decoder
 
     scans = []
     scan_blocks = Decoder._scan_blocks
     monkeypatch.setattr(Decoder, "_scan_blocks", lambda self, *a: scans.append(1) or scan_blocks(self, *a))
     params = {}
-    for scan in (False, True):
+    for name, mesh, model in (("one", {}, {}),
+                              ("sharded", {"data": 2, "fsdp": 2, "expert": 2}, {"scan_layers": True, "remat": "full"})):
         scans.clear()
-        config = moe_config(files, moe_checkpoint, tmp_path / str(scan), replay=True, steps=2,
-                            mesh={"fsdp": 2, "expert": 2}, model={"remat": "full", "scan_layers": scan})
-        params[scan] = run(config, embedded_engine(config, scale=0.05))[3]
-        assert bool(scans) == scan  # traced by the recompute and the train step, never by the sampler
-    for a, b in zip(jax.tree.leaves(params[False]), jax.tree.leaves(params[True]), strict=True):
-        np.testing.assert_allclose(b, a, atol=2e-5)
+        config = moe_config(files, moe_checkpoint, tmp_path / name, replay=True, steps=2, mesh=mesh, model=model)
+        params[name] = run(config, embedded_engine(config, scale=0.05))[3]
+        assert bool(scans) == (name == "sharded")
+    for a, b in zip(jax.tree.leaves(params["one"]), jax.tree.leaves(params["sharded"]), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
 
 
 @pytest.mark.parametrize("option", [{"routing_replay": True}, {"router_z_loss": 1e-3}])
