@@ -3,7 +3,8 @@ the gradients of a hybrid (softmax + lightning + gated DeltaNet + MoE) decoder,
 with packed rows whose segments cross the sequence shards, equal the one-device result, over meshes
 sequence=8 (key/value heads repeated, DeltaNet heads padded) and data=2 x sequence=4 (a plan with tensor
 shards is in `test_switch`);
-the switch; and the per-device temporary memory of a forward + backward shrinks with the sequence shards.
+the same inside scanned layers; the switch; and the per-device temporary memory of a forward + backward
+shrinks with the sequence shards.
 
 float32; tolerance 1e-5 of each array's largest magnitude: the sharded run sums partial gradients in
 another order and its projections see T/s rows, which XLA:CPU rounds differently (~4e-7 on the first
@@ -167,3 +168,23 @@ def test_per_device_temp_memory_shrinks_with_the_sequence_shards():
     eight = temp_bytes(model, batch, make_mesh(MeshConfig(sequence=8)))
     print(f"temp bytes per device: one device {one}, sequence=8 {eight}, ratio {eight / one:.3f}")
     assert eight < one / 4
+
+
+def test_context_parallel_inside_scanned_layers():
+    """``scan_layers`` (docs/models.md#scanned-layers) runs the Ulysses all-to-alls inside the scanned
+    block body: a dense decoder on data=2 x sequence=4 equals its unrolled one-device self."""
+    model = randomize(Decoder(DENSE, rngs=nnx.Rngs(1)), seed=2)
+    batch = packed_batch()
+    logits, grads = nnx.jit(logits_and_grads)(model, *batch)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(DENSE.replace(scan_layers=True), rngs=nnx.Rngs(0))))
+    mesh = make_mesh(MESHES["dp2-sp4"])
+    scanned, _ = shard_model(nnx.merge(graphdef, nnx.state(nnx.clone(model))), mesh)
+    unrolled, _ = shard_model(nnx.clone(model), mesh)
+    with jax.set_mesh(mesh):
+        step = nnx.jit(logits_and_grads)
+        all_to_alls = [step.lower(m, *batch).as_text().count("all_to_all") for m in (unrolled, scanned)]
+        got_logits, got_grads = step(scanned, *batch)
+    assert 0 < all_to_alls[1] < all_to_alls[0]  # Ulysses, in one scanned body instead of one per layer
+    assert_close(got_logits, logits)
+    for have, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(grads), strict=True):
+        assert_close(have, want)
