@@ -19,6 +19,7 @@ _FAILURE_ACK_KEY = "jaxrl/failure_ack/{}"
 # How long a failing process waits for the others to read its error before it exits.
 _FAILURE_ACK_TIMEOUT_S = 10.0
 _FAILURE_POLL_S = 0.5  # per process, against the coordinator: keep it light for large pods
+_EXIT_GRACE_S = 1.0  # process 0's wait for the others to exit first
 
 
 def _jax_state():
@@ -69,15 +70,27 @@ class _FailureWatch:
                 continue
             if self._stop.is_set():
                 return
-            with contextlib.suppress(Exception):
-                self._client.key_value_set(_FAILURE_ACK_KEY.format(self._process_index), "1")
-            self._exit(message)
+            self._exit(message, acknowledge=True)
 
-    def _exit(self, message: str) -> None:
+    def _exit(self, message: str, acknowledge: bool = False) -> None:
+        """Prints why and exits with status 1; the acknowledgement, which lets the failed process
+        exit, comes after the print, and process 0 leaves last (:func:`_exit_last_if_coordinator`)."""
         print(f"jaxrl.distributed: process {self._process_index} stops because {message}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
+        if acknowledge:
+            with contextlib.suppress(Exception):
+                self._client.key_value_set(_FAILURE_ACK_KEY.format(self._process_index), "1")
+            _exit_last_if_coordinator(self._process_index)
         os._exit(1)
+
+
+def _exit_last_if_coordinator(process_index: int) -> None:
+    """Process 0 hosts the coordination service: once it is gone, JAX's agent in every other process
+    aborts it (SIGABRT, "detected fatal errors") instead of letting it exit with its own error. So
+    process 0 waits a moment for the others, which exit as soon as they have printed."""
+    if process_index == 0:
+        time.sleep(_EXIT_GRACE_S)
 
 
 @contextlib.contextmanager
@@ -117,6 +130,7 @@ def stop_all_on_failure() -> Iterator[None]:
         print(f"jaxrl.distributed: {message}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
+        _exit_last_if_coordinator(index)
         os._exit(1)
     finally:
         watch.stop()
