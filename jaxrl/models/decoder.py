@@ -6,6 +6,8 @@ Three call paths share one `__call__`:
   T prompt tokens (prefill) and then 1 token per step; each row keeps its own positions, and
   padding (segment id 0) is never attended, so left/right-padded and ragged batches work;
 - token logprobs and entropy through the chunked LM head (`token_logprobs`), never [B, T, V].
+With `ModelConfig.scan_layers` the full forward runs the blocks as one `lax.scan` over their
+stacked weights (`stack_blocks`); decoding loops over the blocks either way.
 
 The residual stream is float32 whatever the compute dtype (docs/models.md#numerics-and-dtypes).
 
