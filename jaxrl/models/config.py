@@ -216,6 +216,9 @@ class ModelConfig:
             raise ValueError("ModelConfig.scan_layers needs every layer of one attention kind and one MLP kind; "
                              f"this model mixes layer_types {sorted(set(self.layer_types))} and mlp_types "
                              f"{sorted(set(self.mlp_types))}: set scan_layers false")
+        if self.scan_layers and "lightning_attention" in self.layer_types:
+            raise ValueError("ModelConfig.scan_layers cannot scan lightning_attention layers: each layer's decay "
+                             "rates depend on its depth, so the blocks differ; set scan_layers false")
 
     @property
     def moe_layer_indices(self) -> tuple[int, ...]:

@@ -134,14 +134,15 @@ def load_balancing_loss(probs: list[jax.Array], experts: list[jax.Array], mask: 
 
 
 def stack_blocks(blocks) -> tuple[nnx.GraphDef, nnx.State]:
-    """The blocks' shared graph and their weights stacked on a new leading axis (replicated over the
-    mesh: each weight keeps its own logical sharding). ValueError when the blocks differ in structure."""
+    """The blocks' shared graph and their weights stacked on a new leading axis (that axis unsharded;
+    each weight keeps its own logical sharding). ValueError when the blocks differ in structure."""
     split = [nnx.split(block) for block in blocks]
     graphdef = split[0][0]
     for i, (other, _) in enumerate(split[1:], start=1):
         if other != graphdef:
             raise ValueError(f"ModelConfig.scan_layers: block {i} differs from block 0 in structure; "
-                             "scanning needs every layer of one attention kind and one MLP kind")
+                             "scanning needs identical layers (one attention kind, one MLP kind, no "
+                             "per-depth constants)")
 
     def stack(*variables: nnx.Variable) -> nnx.Variable:
         value = jnp.stack([v[...] for v in variables])
@@ -208,15 +209,13 @@ class Decoder(nnx.Module):
         if cache is not None:
             write_index = cache.index
             kv_segment_ids = write_rows(cache.segment_ids, segment_ids, write_index)
-        layer_caches, probs, experts, z_terms = [], [], [], []
+        layer_caches, probs, experts, z_terms, captured = [], [], [], [], []  # captured: per layer (attn, mlp, out)
         if c.scan_layers and cache is None:
-            h, routings, captured = self._scan_blocks(h, positions, segment_ids, routed_experts, capture)
+            h, routings, stacked_captures = self._scan_blocks(h, positions, segment_ids, routed_experts, capture)
             if routings is not None:
                 probs, experts, z_terms = (list(stacked) for stacked in routings)
             if capture:
-                for i, (attn_out, mlp_out, out) in enumerate(zip(*captured, strict=True)):
-                    activations.update({f"layers.{i}.attn": attn_out, f"layers.{i}.mlp": mlp_out,
-                                        f"layers.{i}.out": out})
+                captured = list(zip(*stacked_captures, strict=True))
         else:
             remat = c.remat != "none" and cache is None
             block_call = (nnx.remat(Block.__call__, policy=REMAT_POLICIES[c.remat]) if remat else Block.__call__)
@@ -232,10 +231,11 @@ class Decoder(nnx.Module):
                     experts.append(routing[1])
                     z_terms.append(routing[2])
                 if capture:
-                    activations.update({f"layers.{i}.attn": attn_out, f"layers.{i}.mlp": mlp_out,
-                                        f"layers.{i}.out": h})
+                    captured.append((attn_out, mlp_out, h))
         hidden = self.final_norm(h)
         if capture:
+            for i, (attn_out, mlp_out, out) in enumerate(captured):
+                activations.update({f"layers.{i}.attn": attn_out, f"layers.{i}.mlp": mlp_out, f"layers.{i}.out": out})
             activations["final_norm"] = hidden
         aux_loss = (load_balancing_loss(probs, experts, segment_ids != 0, c.num_experts) if probs
                     else jnp.zeros((), F32))

@@ -100,5 +100,7 @@ def test_the_decode_path_is_unchanged():
 def test_mixed_layer_kinds_are_refused_naming_the_key():
     with pytest.raises(ValueError, match="scan_layers needs every layer of one attention kind"):
         MOE.replace(mlp_types=("dense", "moe", "moe"), scan_layers=True)
+    with pytest.raises(ValueError, match="scan_layers cannot scan lightning_attention layers"):
+        DENSE.replace(layer_types=("lightning_attention",) * 3, qk_norm=False, scan_layers=True)
     with pytest.raises(ValueError, match="scan_layers must be true or false"):
         DENSE.replace(scan_layers="yes")
