@@ -26,7 +26,7 @@ SEGMENTS = jnp.asarray([[0, 0, 1, 1, 1, 2, 2, 2, 2], [1] * 9], jnp.int32)  # lef
 def pair(config):
     """The same weights as an unrolled and a scanned model (sharded weights: tests/trainer/test_moe_training.py)."""
     model, _ = create_sharded_model(lambda: Decoder(config, rngs=nnx.Rngs(0)), make_mesh(MeshConfig()))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config.replace(scan_layers=True), rngs=nnx.Rngs(0))))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(config.replace(scan_layers=True), rngs=nnx.Rngs(0))))
     return model, nnx.merge(graphdef, nnx.state(model))
 
 
