@@ -3,7 +3,7 @@
 Runs in .venv, started by bench/vs_tunix.py:
 
     .venv/bin/python bench/_jaxrl_side.py --workdir DIR --shape small|large [--warmup 3] \
-        [--recompute when_needed|always]
+        [--recompute when_needed|always] [--layout shared|rows]
 
 DIR holds the shared inputs vs_tunix.py wrote: ``tokenizer/`` (a character tokenizer whose
 ``<eos>`` id equals the model's vocab size, so the sampler can never produce it and every
@@ -19,7 +19,10 @@ a ``kind: python`` function (this module's ``reward_fraction``), run by jaxrl's 
 ``--recompute`` sets ``update.recompute_old_logp``: ``when_needed`` (the default here) skips the
 learner's ``old_logp`` recompute, which is redundant for one on-policy mini-batch from the
 embedded sampler (docs/training.md#skipping-a-redundant-recompute), as Tunix skips it with
-one GRPO iteration; ``always`` keeps it. The reference forward stays either way.
+one GRPO iteration; ``always`` keeps it. The reference forward stays either way. ``--layout``:
+``shared`` (the default here) sets ``update.pack`` and ``update.share_prefix``, so the learner's
+forwards (reference and update) lay each group's prompt out once (docs/training.md#shared-prompts);
+``rows``: one sample per row, as Tunix runs them.
 
 Figures per step, read from the metrics ``train_step_once()`` returns (jaxrl's own stage
 clock, ``time.perf_counter``; warm-up steps, which compile, are not reported):
@@ -52,14 +55,14 @@ def reward_fraction(prompt, response, response_ids, row):
     return RewardResult(score=response.count(row["target"]) / max(len(response), 1))
 
 
-def make_config(spec: dict, shape: dict, out: str, recompute: str):
+def make_config(spec: dict, shape: dict, out: str, recompute: str, layout: str):
     from jaxrl.config import from_dict
     from jaxrl.trainer.config import TrainConfig
 
-    return from_dict(TrainConfig, config_dict(spec, shape, out, recompute))
+    return from_dict(TrainConfig, config_dict(spec, shape, out, recompute, layout))
 
 
-def config_dict(spec: dict, shape: dict, out: str, recompute: str) -> dict:
+def config_dict(spec: dict, shape: dict, out: str, recompute: str, layout: str = "rows") -> dict:
     """The TrainConfig of this side as the dict a YAML file would give (bench/async_speedup.py edits it)."""
     architecture = {k: shape[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                           "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps",
@@ -81,7 +84,8 @@ def config_dict(spec: dict, shape: dict, out: str, recompute: str) -> dict:
         "objective": {"policy_loss": "ppo", "eps_low": spec["clip_eps"], "eps_high": spec["clip_eps"],
                       "aggregation": "seq-mean-token-mean", "kl_kind": "k3-as-loss", "kl_coef": spec["kl_coef"],
                       },
-        "update": {"mini_batches": 1, "micro_batches": 1, "recompute_old_logp": recompute},
+        "update": {"mini_batches": 1, "micro_batches": 1, "recompute_old_logp": recompute,
+                   "pack": layout == "shared", "share_prefix": layout == "shared"},
         "optimizer": {"lr": spec["lr"], "clip_norm": spec["clip_norm"], "weight_decay": 0.0},
         "logging": {"progress": False, "tensorboard": False, "plots": False},
     }
@@ -105,6 +109,7 @@ def main() -> None:
     parser.add_argument("--shape", required=True)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--recompute", choices=("when_needed", "always"), default="when_needed")
+    parser.add_argument("--layout", choices=("shared", "rows"), default="shared")
     args = parser.parse_args()
     protocol = os.fdopen(os.dup(1), "w", buffering=1)  # our stdout; fd 1 becomes stderr
     os.dup2(2, 1)
@@ -120,14 +125,14 @@ def main() -> None:
     from jaxrl.trainer.rl import RLTrainer
 
     config = make_config(spec, spec["shapes"][args.shape], os.path.join(args.workdir, f"jaxrl-{args.shape}"),
-                         args.recompute)
+                         args.recompute, args.layout)
     trainer = RLTrainer(config, overwrite=True)
     samples = spec["prompts_per_step"] * spec["group_size"]
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.state["params"]))
     try:
         warmup = [figures(trainer.train_step_once(), samples) for _ in range(args.warmup)]
         info = {"stack": "jaxrl", "shape": args.shape, "params": params, "devices": str(jax.devices()),
-                "recompute": args.recompute, "warmup": warmup,
+                "recompute": args.recompute, "layout": args.layout, "warmup": warmup,
                 "versions": {p: version(p) for p in ("jaxrl", "jax", "jaxlib", "flax", "optax")}}
         protocol.write(json.dumps({"ready": True, **info}) + "\n")
         for line in sys.stdin:

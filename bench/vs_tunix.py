@@ -1,6 +1,7 @@
 """jaxrl vs Google Tunix 0.1.7: one GRPO step, side by side, on the same work (CPU, float32).
 
     .venv/bin/python bench/vs_tunix.py [--quick] [--json PATH] [--rounds N] [--steps K] [--recompute always]
+        [--layout rows]
 
 It runs scripts/setup_tunix.sh first (a no-op when .venv-tunix is current), writes the shared
 inputs to a temporary folder (a character tokenizer, the prompts, the settings), then starts one
@@ -82,11 +83,11 @@ def write_inputs(workdir: str) -> dict:
 class Side:
     """One persistent benchmark process (a stack and a shape)."""
 
-    def __init__(self, stack: str, shape: str, workdir: str, warmup: int, recompute: str):
+    def __init__(self, stack: str, shape: str, workdir: str, warmup: int, recompute: str, layout: str):
         self.stack, self.shape = stack, shape
         python = os.path.join(ROOT, ".venv" if stack == "jaxrl" else ".venv-tunix", "bin", "python")
         cmd = [python, os.path.join(ROOT, "bench", f"_{stack}_side.py"), "--workdir", workdir, "--shape", shape,
-               "--warmup", str(warmup)] + (["--recompute", recompute] if stack == "jaxrl" else [])
+               "--warmup", str(warmup)] + (["--recompute", recompute, "--layout", layout] if stack == "jaxrl" else [])
         self.log_path = os.path.join(workdir, f"{stack}-{shape}.log")
         self.log = open(self.log_path, "w")
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -169,6 +170,9 @@ def main() -> None:
     parser.add_argument("--recompute", choices=("when_needed", "always"), default="when_needed",
                         help="jaxrl's update.recompute_old_logp: when_needed skips the redundant old_logp forward, "
                              "as Tunix's 1-iteration GRPO does; always keeps it")
+    parser.add_argument("--layout", choices=("shared", "rows"), default="shared",
+                        help="jaxrl's learner rows: shared = update.pack + update.share_prefix (each group's prompt "
+                             "laid out once); rows = one sample per row, as Tunix")
     parser.add_argument("--json", help="write every figure to this JSON file")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 8)
@@ -179,7 +183,7 @@ def main() -> None:
     subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_tunix.sh")], check=True)
     with tempfile.TemporaryDirectory(prefix="vs_tunix-") as workdir:
         spec = write_inputs(workdir)
-        sides = {(stack, shape): Side(stack, shape, workdir, warmup, args.recompute)
+        sides = {(stack, shape): Side(stack, shape, workdir, warmup, args.recompute, args.layout)
                  for shape in shapes for stack in ("jaxrl", "tunix")}
         try:
             for side in sides.values():
@@ -199,7 +203,7 @@ def main() -> None:
         info = sides[stack, shapes[0]].info
         print(f"versions {stack}: " + ", ".join(f"{p} {v}" for p, v in info["versions"].items())
               + f"; devices {info['devices']}"
-              + (f"; update.recompute_old_logp={args.recompute}" if stack == "jaxrl" else ""))
+              + (f"; update.recompute_old_logp={args.recompute}, --layout {args.layout}" if stack == "jaxrl" else ""))
     total = time.perf_counter() - start
     print(f"total runtime {total:.0f} s")
     targets = []
@@ -209,7 +213,8 @@ def main() -> None:
             targets.append({"target": f"{name}_{shape}", "ratio": ratio, "goal": goal, "met": ratio >= goal})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": spec, "recompute_old_logp": args.recompute, "rounds": rounds, "steps_per_round": k,
+            json.dump({"settings": spec, "recompute_old_logp": args.recompute, "layout": args.layout,
+                       "rounds": rounds, "steps_per_round": k,
                        "total_runtime_s": total, "results": results, "targets": targets,
                        "sides": {f"{stack}/{shape}": {"info": s.info, "steps": s.steps}
                                  for (stack, shape), s in sides.items()}}, f, indent=1)

@@ -7,14 +7,18 @@ Every implementation computes the same function. With
 ``q [B, T, K, G, D]``, ``k, v [B, S, K, D]``, integer ``q_slot``, ``q_segment_ids`` ``[B, T]`` and
 ``kv_slot``, ``kv_segment_ids`` ``[B, S]``:
 
-    visible[b, t, s] = kv_slot[b, s] <= q_slot[b, t]  and  kv_segment_ids[b, s] == q_segment_ids[b, t]
+    visible[b, t, s] = kv_slot[b, s] <= q_slot[b, t]  and  kv_segment_ids[b, s] in {q_segment_ids[b, t],
+                                                                                 prefix_of(q_segment_ids[b, t])}
     score[b, k, g, t, s] = scale * q[b, t, k, g] . k[b, s, k]                     (float32)
     p = softmax over the visible s of score                                         (float32)
     out[b, t, k, g] = sum_s p[b, k, g, t, s] * v[b, s, k]                           ([B, T, K, G, D] float32)
 
 and ``out = 0`` (zero gradients) on a row with no visible key. Segment id 0 is padding, compared like
 any other id: padding never attends to or is attended by real tokens, and a padded query attends to
-the padding keys before it (its output is never used). The full forward passes
+the padding keys before it (its output is never used). A segment id at or above ``TAIL_BASE`` marks a
+*tail*: a sequence that continues a shared prefix (``jaxrl.models.packing``, a GRPO group's prompt laid
+out once for all its samples); its queries also see the keys of the prefix's segment, ``prefix_of(id)``.
+Any other id is its own prefix, so the rule is plain segment equality for rows without tails. The full forward passes
 ``q_slot = kv_slot = arange(T)``; decoding with a KV cache passes ``q_slot = write_index + arange(T)``
 and ``kv_slot = arange(S)`` (T = 1 per step, T = prompt length for a prefill).
 
@@ -45,10 +49,29 @@ def _at(x, i):
     return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
 
 
+# Tail segment ids: TAIL_BASE + (prefix segment << TAIL_BITS) + tail number (1 ..), so a row holds up to
+# 2^(30 - TAIL_BITS) - 1 segments and a prefix up to 2^TAIL_BITS - 1 tails, all within int32.
+TAIL_BASE, TAIL_BITS = 1 << 30, 12
+
+
+def tail_segment(prefix: int, tail: int) -> int:
+    """The segment id of tail number ``tail`` (1 ..) of the prefix whose segment id is ``prefix``."""
+    if not (0 < prefix < 1 << (30 - TAIL_BITS) and 0 < tail < 1 << TAIL_BITS):
+        raise ValueError(f"tail {tail} of prefix segment {prefix}: a row holds at most {(1 << (30 - TAIL_BITS)) - 1} "
+                         f"segments and a prefix at most {(1 << TAIL_BITS) - 1} tails")
+    return TAIL_BASE + (prefix << TAIL_BITS) + tail
+
+
+def prefix_of(segment_ids):
+    """The segment whose keys a query of ``segment_ids`` sees besides its own: a tail's prefix, else itself."""
+    return jnp.where(segment_ids >= TAIL_BASE, (segment_ids - TAIL_BASE) >> TAIL_BITS, segment_ids)
+
+
 def visibility(q_slot, kv_slot, q_segment_ids, kv_segment_ids) -> jax.Array:
-    """[B, T, S] bool: key s is visible to query t (causal in slots, same segment id)."""
+    """[B, T, S] bool: key s is visible to query t (causal in slots; the query's segment or its prefix)."""
+    kv = kv_segment_ids[:, None, :]
     return ((kv_slot[:, None, :] <= q_slot[:, :, None])
-            & (kv_segment_ids[:, None, :] == q_segment_ids[:, :, None]))
+            & ((kv == q_segment_ids[:, :, None]) | (kv == prefix_of(q_segment_ids)[:, :, None])))
 
 
 def xla_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, scale: float, dtype) -> jax.Array:
@@ -83,7 +106,8 @@ def _block_visibility(q_slot, q_seg, kv_slot, kv_seg):
 
     q_slot, q_seg [nq, B, bq]; kv_slot, kv_seg [nk, B, bk] (padding marked by the pad slots). Block
     (i, j) may see something in row b when the first key slot is <= the last query slot and the
-    blocks' segment-id ranges overlap: conservative (a block it keeps may still be fully masked,
+    key block's segment-id range overlaps the query block's, or the range of its queries' prefixes
+    (shared-prefix tails): conservative (a block it keeps may still be fully masked,
     the mask inside handles that) and O(B nq nk), never O(B T S). Returns (visible [nq, nk] bool,
     any batch row), and per query block the first / one-past-last visible key block, per key block
     the first / one-past-last query block that sees it (0, 0 when none), all int32.
@@ -91,12 +115,16 @@ def _block_visibility(q_slot, q_seg, kv_slot, kv_seg):
     q_valid, kv_valid = q_slot != _Q_PAD_SLOT, kv_slot != _KV_PAD_SLOT
     q_last = jnp.max(q_slot, axis=-1)  # [nq, B]; a fully padded block gives INT_MIN
     kv_first = jnp.min(kv_slot, axis=-1)  # [nk, B]; a fully padded block gives INT_MAX
-    q_lo = jnp.min(jnp.where(q_valid, q_seg, _INT_MAX), axis=-1)
-    q_hi = jnp.max(jnp.where(q_valid, q_seg, _INT_MIN), axis=-1)
     kv_lo = jnp.min(jnp.where(kv_valid, kv_seg, _INT_MAX), axis=-1)
     kv_hi = jnp.max(jnp.where(kv_valid, kv_seg, _INT_MIN), axis=-1)
-    visible = jnp.any((kv_first[None] <= q_last[:, None]) & (q_lo[:, None] <= kv_hi[None])
-                      & (kv_lo[None] <= q_hi[:, None]), axis=-1)  # [nq, nk]
+
+    def overlaps(seg):  # [nq, nk, B]: the queries' ids `seg` span a range that meets the key block's
+        lo = jnp.min(jnp.where(q_valid, seg, _INT_MAX), axis=-1)
+        hi = jnp.max(jnp.where(q_valid, seg, _INT_MIN), axis=-1)
+        return (lo[:, None] <= kv_hi[None]) & (kv_lo[None] <= hi[:, None])
+
+    segments = overlaps(q_seg) | overlaps(prefix_of(q_seg))
+    visible = jnp.any((kv_first[None] <= q_last[:, None]) & segments, axis=-1)  # [nq, nk]
 
     def bounds(vis):  # [n, m] -> first and one-past-last True of each row
         seen = jnp.any(vis, axis=-1)

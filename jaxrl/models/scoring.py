@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxrl.models.packing import pack_rows
+from jaxrl.models.packing import pack_rows, unpack
 from jaxrl.models.sharding import batch_shardings
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -53,12 +53,16 @@ def route_disagreement_counts(own: jax.Array, given: jax.Array, segment_ids: jax
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("chunk_size", "replicate", "replay"))
-def _score(graphdef, params, input_ids, positions, segment_ids, targets, routes, *, chunk_size: int,
+def _score(graphdef, params, input_ids, positions, segment_ids, targets, routes, gather, *, chunk_size: int,
            replicate: bool, replay: bool):
+    """Next-token logprobs, entropy and route disagreement counts of (packed) rows; with ``gather`` (the
+    packing's, else None) the per-token values come back one sample per row."""
     model = nnx.merge(graphdef, params)
     logp, entropy, out = model.token_logprobs(input_ids, positions, segment_ids, targets, chunk_size=chunk_size,
                                               routed_experts=routes if replay else None)
     counts = None if routes is None else route_disagreement_counts(out.router_experts, routes, segment_ids)
+    if gather is not None:
+        logp, entropy = unpack(logp, gather), unpack(entropy, gather)
     if replicate:  # every process reads the whole result, also when the rows are spread over processes
         logp, entropy, counts = jax.lax.with_sharding_constraint((logp, entropy, counts), PartitionSpec())
     return logp, entropy, counts
@@ -85,12 +89,16 @@ class LogprobScorer:
         return self.score(params, input_ids, positions, segment_ids, targets)[:2]
 
     def score(self, params, input_ids, positions, segment_ids, targets, *, routed_experts=None,
-              replay: bool = False) -> Scores:
+              replay: bool = False, prefix_groups=None) -> Scores:
         """As calling the scorer; ``routed_experts`` [N, T, MoE layers, k] int (-1 where none): the
         engine's experts at each input position, replayed by the forward when ``replay``, and
-        compared with the learner routers' own choice either way (``Scores.route_disagreement``)."""
+        compared with the learner routers' own choice either way (``Scores.route_disagreement``);
+        ``prefix_groups`` [N] int (packing only): samples that may share their common leading columns
+        (``jaxrl.models.packing.pack_rows``)."""
         if replay and routed_experts is None:
             raise ValueError("routing replay needs routed_experts")
+        if prefix_groups is not None and not self.pack:
+            raise ValueError("prefix_groups share prompts between packed rows: build the scorer with pack=True")
         inputs = (input_ids, positions, segment_ids, targets)
         n = np.shape(input_ids)[0]
         rows = n if self.rows is None else min(self.rows, n)
@@ -98,12 +106,13 @@ class LogprobScorer:
         for start in range(0, n, max(rows, 1)):
             chunk = tuple(np.asarray(x[start:start + rows], np.int32) for x in inputs)
             routes = None if routed_experts is None else np.asarray(routed_experts[start:start + rows], np.int32)
-            packed = pack_rows(*chunk, devices=self.devices, routed_experts=routes) if self.pack else None
+            groups = None if prefix_groups is None else np.asarray(prefix_groups[start:start + rows])
+            packed = (pack_rows(*chunk, devices=self.devices, routed_experts=routes, prefix_groups=groups)
+                      if self.pack else None)
+            gather = None
             if packed is not None:
-                chunk, routes = packed.model_inputs(), packed.routed_experts
-            logp, entropy, counts = self._score(params, chunk, routes, replay)
-            if packed is not None:
-                logp, entropy = (np.asarray(packed.unpack(jnp.asarray(x))) for x in (logp, entropy))
+                chunk, routes, gather = packed.model_inputs(), packed.routed_experts, packed.gather
+            logp, entropy, counts = self._score(params, chunk, routes, gather, replay)
             logps.append(np.asarray(logp, np.float32))
             entropies.append(np.asarray(entropy, np.float32))
             if counts is not None:
@@ -117,22 +126,23 @@ class LogprobScorer:
         compilation for the mesh's devices (``jaxrl compile``)."""
         inputs = (jax.ShapeDtypeStruct((rows, length), jnp.int32),) * 4
         if self.mesh is None:
-            return _score.lower(self.graphdef, params, *inputs, None, chunk_size=self.chunk_size, replicate=False,
+            return _score.lower(self.graphdef, params, *inputs, None, None, chunk_size=self.chunk_size, replicate=False,
                                 replay=False)
         inputs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                        for x, s in zip(inputs, batch_shardings(inputs, self.mesh), strict=True))
         with jax.set_mesh(self.mesh):
-            return _score.lower(self.graphdef, params, *inputs, None, chunk_size=self.chunk_size, replicate=True,
+            return _score.lower(self.graphdef, params, *inputs, None, None, chunk_size=self.chunk_size, replicate=True,
                                 replay=False)
 
-    def _score(self, params, inputs: tuple[np.ndarray, ...], routes, replay: bool):
+    def _score(self, params, inputs: tuple[np.ndarray, ...], routes, gather, replay: bool):
         if self.mesh is None:
-            return _score(self.graphdef, params, *inputs, routes, chunk_size=self.chunk_size, replicate=False,
-                          replay=replay)
+            return _score(self.graphdef, params, *inputs, routes, gather, chunk_size=self.chunk_size,
+                          replicate=False, replay=replay)
         with jax.set_mesh(self.mesh):
-            inputs, routes = jax.device_put((inputs, routes), batch_shardings((inputs, routes), self.mesh))
-            return _score(self.graphdef, params, *inputs, routes, chunk_size=self.chunk_size, replicate=True,
-                          replay=replay)
+            placed = (inputs, routes, gather)
+            inputs, routes, gather = jax.device_put(placed, batch_shardings(placed, self.mesh))
+            return _score(self.graphdef, params, *inputs, routes, gather, chunk_size=self.chunk_size,
+                          replicate=True, replay=replay)
 
 
 def next_token_inputs(token_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, ...]:

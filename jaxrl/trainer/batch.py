@@ -149,8 +149,16 @@ class StepBatch:
         """``(input_ids, positions, segment_ids, targets)``, the learner's scoring inputs."""
         return self.input_ids, self.positions, self.segment_ids, self.targets
 
+    def prompt_groups(self) -> np.ndarray:
+        """[N] int32: one id per distinct prompt (the first ``prompt_lengths`` input tokens), in order of
+        first appearance; a GRPO group's samples share theirs (``jaxrl.models.packing.pack_rows``)."""
+        ids: dict[bytes, int] = {}
+        input_ids, lengths = np.asarray(self.input_ids), np.asarray(self.prompt_lengths)
+        keys = (row[:n].tobytes() for row, n in zip(input_ids, lengths, strict=True))
+        return np.asarray([ids.setdefault(key, len(ids)) for key in keys], np.int32)
+
     def mini_batches(self, count: int, aggregation: str, step: int, *, pack: bool = False, micro_batches: int = 1,
-                     devices: int = 1) -> Iterator["UpdateBatch"]:
+                     devices: int = 1, share_prefix: bool = False) -> Iterator["UpdateBatch"]:
         """The ``count`` consecutive row blocks of one step's optimizer updates.
 
         Each carries the loss's fields only, the normaliser of its own ``mask`` for the
@@ -158,16 +166,19 @@ class StepBatch:
         seed unique to (step, block) for anything the loss draws at random. With ``pack`` the
         model inputs travel as :class:`~jaxrl.models.packing.PackedRows` (several samples per
         row, packed within each of the ``micro_batches`` groups; ``devices``: the data-parallel
-        devices the rows spread over), and the samples' own inputs stay behind.
+        devices the rows spread over), and the samples' own inputs stay behind; with
+        ``share_prefix`` too, the samples of one prompt lay it out once (:meth:`prompt_groups`).
         """
         size = self.rows // count
         fields = {name: getattr(self, name) for name in _UPDATE_FIELDS}
+        groups = self.prompt_groups() if share_prefix else None
         for s in range(count):
             rows = {name: None if value is None else value[s * size:(s + 1) * size] for name, value in fields.items()}
             tokens, packed = StepBatch(**rows), None
             if pack:
                 packed = pack_rows(*tokens.model_inputs(), groups=micro_batches, devices=devices,
-                                   routed_experts=tokens.routed_experts)
+                                   routed_experts=tokens.routed_experts,
+                                   prefix_groups=None if groups is None else groups[s * size:(s + 1) * size])
                 tokens = tokens.replace(input_ids=None, positions=None, segment_ids=None, targets=None,
                                         routed_experts=None)
             normalizer = np.float32(_loss_normalizer(aggregation, tokens.mask))

@@ -74,6 +74,10 @@ class UpdateConfig:
     computed chunk by chunk, never as a whole ``[B, T, V]`` logits array).
     pack: the learner's forwards (the recompute and the update) run on rows that hold several
     samples each (``jaxrl.models.packing``): the same losses, less compute on padding.
+    share_prefix (with ``pack``): the samples of one prompt (a GRPO group) lay the prompt out once
+    in the packed rows, each completion attending to that one copy: the same losses, and the
+    learner's forwards and backward skip ``group_size - 1`` of every ``group_size`` prompt tokens
+    (docs/training.md#shared-prompts).
     max_consecutive_skips: an optimizer step whose loss, gradient or new parameters are not
     finite is skipped (parameters and optimizer state kept, ``update/nonfinite_skips`` counts
     it); this many skips in a row stop the run with an error. spike_factor: warn when an
@@ -93,6 +97,7 @@ class UpdateConfig:
     reference_metrics: bool = False
     logprob_chunk_size: int = 1024
     pack: bool = False
+    share_prefix: bool = False
     max_consecutive_skips: int = 3
     spike_factor: float = 10.0
     routing_replay: bool = False
@@ -106,6 +111,9 @@ class UpdateConfig:
             )
         if self.logprob_chunk_size < 1:
             raise ValueError(f"update.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+        if self.share_prefix and not self.pack:
+            raise ValueError("update.share_prefix lays each prompt out once in packed rows: set update.pack: true "
+                             "as well")
         if not self.router_z_loss >= 0.0:
             raise ValueError(f"update.router_z_loss must be >= 0 (0 = off), got {self.router_z_loss}")
         if self.max_consecutive_skips < 1:

@@ -46,6 +46,7 @@ from jaxrl.data import BatchIterator, load_examples, load_tokenizer, stop_token_
 from jaxrl.env import EnvRouter
 from jaxrl.evaluation import evaluate
 from jaxrl.models import make_mesh
+from jaxrl.models.packing import shared_prefix_blocker
 from jaxrl.models.scoring import LogprobScorer
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.rollout.base import LogprobKind, PushVerificationError, RolloutEngine, SamplingParams
@@ -106,6 +107,10 @@ class RLTrainer:
             if value and not self.moe_layers:
                 raise ValueError(f"update.{key} is for MoE models (routers, experts), and this model has no MoE "
                                  f"layers; leave update.{key} unset")
+        if config.update.share_prefix:
+            blocker = shared_prefix_blocker(model.config, self.mesh.devices.flat[0].platform)
+            if blocker:
+                raise ValueError(f"update.share_prefix cannot run on this model: {blocker}")
         longest = data.max_prompt_tokens + config.rollout.max_new_tokens  # a conversation: its env's token limit
         if config.env is not None:
             longest = max(task.limits.max_total_tokens for task in config.env.tasks.values())
@@ -249,7 +254,8 @@ class RLTrainer:
         with clock("recompute", timed=not objective.bypass or self.reference is not None):
             batch, recompute_metrics = stages.recompute(batch, self.scorer, self.state["params"], self.reference,
                                                         bypass=objective.bypass, replay=config.update.routing_replay,
-                                                        moe_layers=self.moe_layers)
+                                                        moe_layers=self.moe_layers,
+                                                        share_prefix=config.update.share_prefix)
         if not config.update.routing_replay:  # measured; the update routes by itself
             batch = batch.replace(routed_experts=None)
         self._dump(step, batch)
@@ -306,15 +312,16 @@ class RLTrainer:
         """S optimizer steps over mini-batches of the fixed batch (each micro-batch-accumulated),
         none when the filter said ``skip``; metrics ``update/*``."""
         u = self.config.update
-        collected, padding, critic_collected = [], [], []
+        collected, padding, cells, critic_collected = [], [], [], []
         frozen = self.critic is not None and self.critic.policy_frozen(step)  # the critic's warm-up
         # E passes of the S mini-batches (update.epochs); each update draws from its own key seed.
         minis = (mini for epoch in range(u.epochs) for mini in batch.mini_batches(
             u.mini_batches, self.objective.aggregation, step * u.epochs + epoch, pack=u.pack,
-            micro_batches=u.micro_batches, devices=batch_devices(self.mesh)))
+            micro_batches=u.micro_batches, devices=batch_devices(self.mesh), share_prefix=u.share_prefix))
         for mini in minis if not skip else ():
             if mini.packed is not None:
                 padding.append(mini.packed.padding_fraction)
+                cells.append(mini.packed.real_cells)
             if self.critic is not None:  # the critic's step on the same rows; the policy's needs no values
                 critic_collected.append(self.critic.update(mini))
                 mini = mini.replace(tokens=mini.tokens.replace(values=None, returns=None))
@@ -333,6 +340,8 @@ class RLTrainer:
         if padding:  # what packing saved: the padding of the rows the learner ran, unpacked and packed
             averaged["padding_fraction"] = float(np.mean(padding))
             averaged["padding_fraction_unpacked"] = 1.0 - batch.num_tokens / np.size(batch.segment_ids)
+        if cells and u.share_prefix:  # the tokens the learner did not run again: prompts laid out once
+            averaged["shared_prefix_fraction"] = 1.0 - sum(cells) / (u.epochs * batch.num_tokens)
         critic = {} if self.critic is None else self.critic.update_metrics(critic_collected, step, frozen)
         warmup = 0 if self.critic is None else self.critic.warmup_steps
         return {**stages.update_names(averaged), **self.guard.metrics(), **critic,

@@ -89,10 +89,11 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
 
 
 def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, bypass: bool, replay: bool = False,
-              moe_layers: tuple[int, ...] = ()) -> tuple[StepBatch, dict[str, float]]:
+              moe_layers: tuple[int, ...] = (), share_prefix: bool = False) -> tuple[StepBatch, dict[str, float]]:
     """``old_logp`` from the learner (or the engine's own under ``bypass``) and ``ref_logp``
     from the frozen ``reference`` parameters (when not None); with ``replay`` both forwards use
-    the batch's routes (routing replay).
+    the batch's routes (routing replay); with ``share_prefix`` a packing scorer lays each prompt
+    out once (``StepBatch.prompt_groups``).
 
     Metrics: ``recompute/entropy``, the policy's token entropy on the whole batch before the
     update, and the mismatch between the recompute and the engine's logprobs, all from one
@@ -103,10 +104,11 @@ def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, byp
     """
     metrics: dict[str, float] = {}
     routes = batch.routed_experts
+    shared = {"prefix_groups": batch.prompt_groups()} if share_prefix else {}
     if bypass:
         batch = batch.replace(old_logp=batch.rollout_logp)
     else:
-        scores = scorer.score(params, *batch.model_inputs(), routed_experts=routes, replay=replay)
+        scores = scorer.score(params, *batch.model_inputs(), routed_experts=routes, replay=replay, **shared)
         batch = batch.replace(old_logp=scores.logp)
         statistics = jax.device_get(_recompute_statistics(scores.logp, batch.rollout_logp, batch.mask, scores.entropy))
         metrics["recompute/entropy"] = float(statistics.pop("entropy"))
@@ -119,7 +121,7 @@ def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, byp
     if reference is not None:
         reference_routes = routes if replay else None
         batch = batch.replace(ref_logp=scorer.score(reference, *batch.model_inputs(), routed_experts=reference_routes,
-                                                    replay=replay).logp)
+                                                    replay=replay, **shared).logp)
     return batch, metrics
 
 

@@ -68,3 +68,133 @@ def test_packed_logprobs_equal_one_sample_per_row():
     for a, b in zip(alone, packed, strict=True):
         np.testing.assert_allclose(b[live], a[live], rtol=1e-5, atol=1e-5)
         assert (b[~live] == 0).all()
+
+
+# ---- shared prefixes ----------------------------------------------------------------------------------
+
+
+def _groups_of_samples(prompts, completions, width):
+    """Next-token rows of ``prompt + completion`` sequences (right-padded to ``width + 1`` tokens)."""
+    from jaxrl.models.scoring import next_token_inputs
+
+    sequences = [np.concatenate([p, c]).astype(np.int32) for p, c in zip(prompts, completions, strict=True)]
+    ids = np.zeros((len(sequences), width + 1), np.int32)
+    for i, s in enumerate(sequences):
+        ids[i, :len(s)] = s
+    return next_token_inputs(ids, np.asarray([len(s) for s in sequences]))
+
+
+def test_shared_prefix_layout_by_hand():
+    """Prompt A (5 tokens) with completions of 3, 2 and 4 tokens, prompt B (3 tokens) with 2 and 3, a lone
+    sample (prefix group -1): A's group shares its first 4 columns (inputs A0..A3 scoring A1..A4; column 4
+    scores each completion's first token), B's its first 2. Widths: A 4 + 3 + 2 + 4 = 13, B 2 + 2 + 3 = 7,
+    the lone sample 4; 24 of the samples' 34 columns. Rows of 16 (the candidates 16, 32, 64) hold them in
+    two rows (A; B + lone) = 32 cells, fewer than 64 x 1."""
+    a, b = np.arange(1, 6), np.arange(10, 13)
+    prompts = [a, a, a, b, b, np.arange(20, 23)]
+    completions = [[30, 31, 32], [33, 34], [35, 36, 37, 38], [40, 41], [42, 43, 44], [50, 51]]
+    inputs = _groups_of_samples(prompts, completions, 16)
+    packed = pack_rows(*inputs, prefix_groups=np.asarray([0, 0, 0, 1, 1, -1]))
+    segments = np.asarray(packed.segment_ids)
+    assert segments.shape == (2, 16) and packed.real_cells == 24 and (inputs[2] > 0).sum() == 34
+    tail = lambda prefix, n: (1 << 30) + (prefix << 12) + n  # noqa: E731  (attention.tail_segment by hand)
+    np.testing.assert_array_equal(segments[0], [1] * 4 + [tail(1, 1)] * 3 + [tail(1, 2)] * 2 + [tail(1, 3)] * 4
+                                  + [0] * 3)
+    np.testing.assert_array_equal(segments[1], [1] * 2 + [tail(1, 1)] * 2 + [tail(1, 2)] * 3 + [2] * 4 + [0] * 5)
+    np.testing.assert_array_equal(np.asarray(packed.input_ids)[0, :13], [1, 2, 3, 4, 5, 30, 31, 5, 33, 5, 35, 36, 37])
+    np.testing.assert_array_equal(np.asarray(packed.positions)[0, :13], [0, 1, 2, 3, 4, 5, 6, 4, 5, 4, 5, 6, 7])
+    np.testing.assert_array_equal(np.asarray(packed.targets)[0, :13], [2, 3, 4, 5, 30, 31, 32, 33, 34, 35, 36, 37, 38])
+    gather = np.asarray(packed.gather)
+    np.testing.assert_array_equal(gather[1, :6], [0, 1, 2, 3, 7, 8])  # A's prefix, then its own tail
+    np.testing.assert_array_equal(gather[4, :5], [16, 17, 20, 21, 22])  # B's prefix in row 1
+    assert (gather[4, 5:] == 32).all()  # padding: out of range
+
+
+def test_shared_prefix_splits_a_group_that_does_not_fit_a_row():
+    """Four samples of one 9-token prompt, 7 new tokens each (15 columns; the prompt's first 8 shared):
+    the whole group needs 8 + 4 x 7 = 36 columns. Rows of 16 hold one copy of the prompt with one tail
+    (15 columns), rows of 32 a copy with three tails (29) and another with the last. The row lengths
+    for T = 16 are 16 and 32, and 2 x 32 = 64 cells ties 4 x 16: the shorter rows win a tie."""
+    from jaxrl.models.packing import _clusters, _items, _row_lengths
+
+    prompt = np.arange(1, 10)
+    inputs = _groups_of_samples([prompt] * 4, [np.arange(20, 27) + 10 * i for i in range(4)], 16)
+    lengths, groups = (inputs[2] > 0).sum(axis=1), np.zeros(4, int)
+    columns = [inputs[0], inputs[1], inputs[3]]
+    (group,) = _clusters(np.arange(4), lengths, groups, columns)
+    assert (group.shared, group.members) == (8, (0, 1, 2, 3))
+    assert [(i.shared, i.members) for i in _items([group], lengths, 16)] == [(8, (0,)), (8, (1,)), (8, (2,)),
+                                                                             (8, (3,))]
+    assert [i.members for i in _items([group], lengths, 32)] == [(0, 1, 2), (3,)]
+    assert _row_lengths(16) == [16, 32]
+    packed = pack_rows(*inputs, prefix_groups=groups)
+    assert np.shape(packed.segment_ids) == (4, 16) and packed.real_cells == 60
+
+
+def test_shared_prefix_row_lengths_keep_the_length_multiple():
+    """Four per octave up to twice the length; rounded up to the power of two dividing the length."""
+    from jaxrl.models.packing import _row_lengths
+
+    assert _row_lengths(47) == [47, 56, 67, 80, 94]  # 47 x 2^(j/4), rounded up to whole columns
+    assert _row_lengths(96) == [96, 128, 160, 192]  # multiples of 32: 114.2 -> 128, 135.8 -> 160, 161.4 -> 192
+    assert _row_lengths(4096) == [4096, 4992, 5888, 6912, 8192]  # multiples of 128
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_shared_prefix_logprobs_and_gradients_equal_one_sample_per_row(impl):
+    """Groups sharing a prompt (one pair of samples also shares its first completion token, so more
+    than the prompt), a lone sample: per-sample logprobs, entropy and the gradient of a loss over them
+    equal one sample per row; the chunked kernel with blocks of 8 skips blocks of other tails."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    config = dataclasses.replace(CONFIG, attention_impl=impl, attention_block_size=8)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(3)
+    prompts, completions, groups = [], [], []
+    for g, (p, n) in enumerate(((7, 4), (11, 3), (4, 2))):
+        prompt = rng.integers(1, CONFIG.vocab_size, p)
+        for _ in range(n):
+            prompts.append(prompt)
+            completions.append(rng.integers(1, CONFIG.vocab_size, rng.integers(2, 12)))
+            groups.append(g)
+    completions[1][:2] = completions[0][:2]
+    prompts.append(rng.integers(1, CONFIG.vocab_size, 9))
+    completions.append(rng.integers(1, CONFIG.vocab_size, 5))
+    groups.append(-1)
+    inputs = _groups_of_samples(prompts, completions, 24)
+    packed = pack_rows(*inputs, prefix_groups=np.asarray(groups))
+    assert packed.real_cells < (inputs[2] > 0).sum() - 2 * 6  # the prompts' copies are gone
+    live = jnp.asarray(inputs[2] > 0)
+    weights = jnp.asarray(rng.normal(size=inputs[0].shape), jnp.float32) * live
+
+    def loss_and_outputs(params, rows, unpack):
+        logp, entropy, _ = nnx.merge(graphdef, params).token_logprobs(*rows.model_inputs() if unpack else rows)
+        logp, entropy = (unpack(x) if unpack else x for x in (logp, entropy))
+        return jnp.sum(weights * (logp + 0.1 * entropy)), (logp, entropy)
+
+    alone = jax.value_and_grad(lambda p: loss_and_outputs(p, inputs, None), has_aux=True)(params)
+    shared = jax.value_and_grad(lambda p: loss_and_outputs(p, packed, packed.unpack), has_aux=True)(params)
+    (loss_a, (logp_a, ent_a)), grad_a = alone
+    (loss_s, (logp_s, ent_s)), grad_s = shared
+    np.testing.assert_allclose(np.asarray(logp_s)[live], np.asarray(logp_a)[live], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(ent_s)[live], np.asarray(ent_a)[live], atol=2e-5)
+    np.testing.assert_allclose(float(loss_s), float(loss_a), rtol=1e-5)
+    for a, s in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_s), strict=True):
+        np.testing.assert_allclose(np.asarray(s), np.asarray(a), rtol=0, atol=1e-4 * float(np.max(np.abs(a))))
+
+
+def test_shared_prefix_blockers_name_what_to_change():
+    import dataclasses
+
+    from jaxrl.models.packing import shared_prefix_blocker
+
+    assert shared_prefix_blocker(CONFIG, "cpu") is None
+    assert "splash" in shared_prefix_blocker(dataclasses.replace(CONFIG, attention_impl="auto"), "tpu")
+    assert shared_prefix_blocker(dataclasses.replace(CONFIG, attention_impl="chunked"), "tpu") is None
+    hybrid = dataclasses.replace(CONFIG, layer_types=("gated_deltanet", "full_attention"), linear_num_key_heads=2,
+                                 linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+    assert "['gated_deltanet'] layers carry a recurrent state" in shared_prefix_blocker(hybrid, "cpu")

@@ -57,6 +57,8 @@ def test_non_finite_numbers_are_refused_at_load(run_config, tmp_path, override, 
     ("update", {"max_consecutive_skips": 0}, r"update.max_consecutive_skips must be >= 1"),
     ("update", {"epochs": 0}, r"update.epochs \(0\) must be >= 1"),
     ("update", {"router_z_loss": -1.0}, r"update.router_z_loss must be >= 0"),
+    ("update", {"share_prefix": True}, r"update.share_prefix lays each prompt out once in packed rows: set "
+                                       r"update.pack: true"),
     ("rollout", {"max_extra_draws": -1}, r"rollout.max_extra_draws must be >= 0"),
     ("rollout", {"dynamic_sampling": True, "max_staleness": 1}, r"rollout.dynamic_sampling .* rollout.max_staleness=1"),
 ])

@@ -13,7 +13,7 @@ import pytest
 
 import test_loop
 from jaxrl.trainer.metrics import read_jsonl
-from test_loop import _run, make_config
+from test_loop import make_config
 
 files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
 GRADIENT_STEP = {"lr": 1.0, "eps": 1.0, "clip_norm": 0.0}
@@ -43,23 +43,68 @@ def _assert_same_update(reference, other):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * scale)
 
 
+def _shared_columns(batch, mini_batches: int, micro_batches: int) -> int:
+    """The most columns a shared-prefix layout can skip, counted by hand: in each micro-batch (samples
+    m, m + M, ... of a mini-batch), the samples of one prompt share the leading columns (input and
+    target) they all have in common, so all but one copy of those can go."""
+    size, saved = batch.rows // mini_batches, 0
+    for start in range(0, batch.rows, size):
+        for m in range(micro_batches):
+            by_prompt = {}
+            for i in range(start + m, start + size, micro_batches):
+                prompt = tuple(batch.input_ids[i, :batch.prompt_lengths[i]])
+                by_prompt.setdefault(prompt, []).append(i)
+            for members in by_prompt.values():
+                columns = [list(zip(batch.input_ids[i], batch.targets[i], strict=True))
+                           [:int(batch.segment_ids[i].sum())] for i in members]
+                common = 0
+                while all(len(c) > common and c[common] == columns[0][common] for c in columns):
+                    common += 1
+                saved += (len(members) - 1) * common
+    return saved
+
+
 def test_packed_rl_update_equals_one_sample_per_row(files, tmp_path):
-    """Rows of 33 columns (prompts up to 24 tokens, 10 new) hold two or more of the ~15-token samples."""
-    changes, rows = [], []
-    for pack in (False, True):
-        out = tmp_path / f"pack-{pack}"
-        config = make_config(files, out, steps=1, update={"pack": pack, "mini_batches": 2, "micro_batches": 2},
+    """Rows of 33 columns (prompts up to 24 tokens, 10 new) hold two or more of the ~15-token samples;
+    with ``update.share_prefix`` the samples of one prompt in a micro-batch lay it out once."""
+    from jaxrl.trainer.rl import RLTrainer
+
+    changes, rows, batches = [], [], []
+
+    def record(trainer):
+        pack = trainer._pack
+
+        def recording(flat, scored):
+            batch, valid = pack(flat, scored)
+            batches.append(batch)
+            return batch, valid
+
+        trainer._pack = recording
+
+    for name, update in (("unpacked", {}), ("packed", {"pack": True}),
+                         ("shared", {"pack": True, "share_prefix": True})):
+        config = make_config(files, tmp_path / name, steps=1, update={**update, "mini_batches": 2, "micro_batches": 2},
                              rollout={"max_new_tokens": 10}, data={"max_prompt_tokens": 24},
                              objective={"policy_loss": "gspo", "aggregation": "seq-mean-token-mean"},
                              optimizer=GRADIENT_STEP)
-        changes.append(_changes(*_run(config)))
-        rows.append(read_jsonl(str(out / "metrics.jsonl"))[0])
-    _assert_same_update(*changes)
-    unpacked, packed = rows
-    assert packed["update/loss"] == pytest.approx(unpacked["update/loss"], abs=1e-5)
-    assert packed["mismatch/k3"] == pytest.approx(unpacked["mismatch/k3"], abs=1e-6)  # the packed recompute
+        change, row = _train(RLTrainer, config, record)
+        changes.append(change)
+        rows.append(row)
+    _assert_same_update(changes[0], changes[1])
+    _assert_same_update(changes[0], changes[2])
+    unpacked, packed, shared = rows
+    for row in (packed, shared):
+        assert row["update/loss"] == pytest.approx(unpacked["update/loss"], abs=1e-5)
+        assert row["mismatch/k3"] == pytest.approx(unpacked["mismatch/k3"], abs=1e-6)  # the packed recompute
     assert "update/padding_fraction" not in unpacked
     assert packed["update/padding_fraction"] < packed["update/padding_fraction_unpacked"]
+    assert "update/shared_prefix_fraction" not in packed
+    # Two samples of each prompt per micro-batch; the packer shares a prompt unless the longer rows that
+    # would take cost more cells than it saves, so it skips some of the columns it could.
+    batch = batches[2]
+    most = _shared_columns(batch, 2, 2) / batch.num_tokens
+    assert most > 0.1
+    assert 0.5 * most < shared["update/shared_prefix_fraction"] <= most
 
 
 def test_packed_sft_step_equals_one_pair_per_row(files, tmp_path):
@@ -102,6 +147,18 @@ HYBRID = {**test_loop.ARCHITECTURE, "num_layers": 3, "num_heads": 4, "num_kv_hea
           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
           "linear_value_head_dim": 8, "linear_chunk_size": 4, "attention_output_gate": True,
           "partial_rotary_factor": 0.5, "norm_weight_offset": True}
+
+
+def test_share_prefix_is_refused_for_a_model_with_linear_attention(files, tmp_path):
+    """A tail cannot continue a recurrent state from one copy of its prompt: the trainer says so at
+    start-up, naming the key, before any rollout."""
+    from jaxrl.trainer.rl import RLTrainer
+
+    config = make_config(files, tmp_path / "hybrid", steps=1, model={"architecture": HYBRID},
+                         update={"pack": True, "share_prefix": True})
+    with pytest.raises(ValueError, match=r"update.share_prefix cannot run on this model: its \['gated_deltanet', "
+                                         r"'lightning_attention'\] layers carry a recurrent state"):
+        RLTrainer(config)
 
 
 def test_context_parallel_reaches_the_learner_and_changes_no_update(files, tmp_path, monkeypatch):
