@@ -82,10 +82,28 @@ def xla_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, sc
     float32, probabilities cast to ``dtype`` for ``probs @ v``; rows with no visible key give 0.
     """
     mask = visibility(q_slot, kv_slot, q_segment_ids, kv_segment_ids)
+    if q.shape[1] == 1:  # a decode step
+        return _one_query_attention(q, k, v, mask, scale=scale, dtype=dtype)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=F32) * scale
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(F32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(dtype), preferred_element_type=F32)
+    return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None, None], out, 0.0)
+
+
+def _one_query_attention(q, k, v, mask, *, scale: float, dtype) -> jax.Array:
+    """`xla_attention` for one query per row (q [B, 1, K, G, D], mask [B, 1, S]) as broadcast products
+    summed over D and then S: they read the KV cache in its stored [B, S, K, D] layout, where the two
+    dot_generals make XLA transpose the whole cache of every layer at every decode step (on CPU 5% of
+    a decode step of bench/vs_tunix.py's large shape). As the einsums: inputs in the compute dtype,
+    their products and sums in float32."""
+    def wide(x):  # a compute-dtype value, exactly in float32
+        return x.astype(dtype).astype(F32)
+
+    scores = jnp.sum(wide(q[:, 0, None]) * wide(k[:, :, :, None]), axis=-1) * scale  # [B, S, K, G]
+    scores = jnp.where(mask[:, 0, :, None, None], scores, jnp.finfo(F32).min)
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(wide(probs[..., None]) * wide(v[:, :, :, None]), axis=1)[:, None]  # [B, 1, K, G, D]
     return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None, None], out, 0.0)
 
 

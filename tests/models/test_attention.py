@@ -33,6 +33,12 @@ def _case(name: str):
         seg = np.array([[1] * 10 + [2] * 15 + [3] * 12, [1] * 20 + [2] * 17])
         slot = np.tile(np.arange(37), (2, 1))
         return 37, 37, slot, slot, seg, seg
+    if name == "shared_prefix":  # prompts laid out once, each followed by its samples' tails (packing)
+        tail = lambda prefix, n: (1 << 30) + (prefix << 12) + n  # noqa: E731  (attention.tail_segment)
+        seg = np.array([[1] * 8 + [tail(1, 1)] * 9 + [tail(1, 2)] * 7 + [2] * 6 + [3] * 4 + [tail(3, 1)] * 3,
+                        [1] * 12 + [tail(1, 1)] * 13 + [tail(1, 2)] * 12])
+        slot = np.tile(np.arange(37), (2, 1))
+        return 37, 37, slot, slot, seg, seg
     if name in ("right_pad", "left_pad"):
         seg = np.ones((2, 29))
         seg[1, slice(18, None) if name == "right_pad" else slice(0, 11)] = 0
@@ -50,9 +56,10 @@ def _case(name: str):
     raise ValueError(name)
 
 
-CASES = ["one_sequence", "packed", "right_pad", "left_pad", "prefill", "decode_step"]
+CASES = ["one_sequence", "packed", "shared_prefix", "right_pad", "left_pad", "prefill", "decode_step"]
 # (case, block_q, block_k): odd blocks everywhere, blocks of 8 x 16 and single blocks on some
-CASE_BLOCKS = ([(case, 5, 7) for case in CASES] + [(case, 8, 16) for case in ("one_sequence", "packed", "prefill")]
+CASE_BLOCKS = ([(case, 5, 7) for case in CASES]
+               + [(case, 8, 16) for case in ("one_sequence", "packed", "shared_prefix", "prefill")]
                + [(case, 512, 512) for case in ("one_sequence", "decode_step")])
 
 
@@ -112,14 +119,19 @@ def test_every_registered_impl_equals_xla(name):
         _close(got, want)
 
 
-def test_xla_matches_a_float64_softmax():
-    t, s, q_slot, kv_slot, q_seg, kv_seg = _case("packed")
+@pytest.mark.parametrize("case", ["packed", "shared_prefix", "decode_step"])
+def test_xla_matches_a_float64_softmax(case):
+    """Packed segments; shared-prefix tails (a tail also sees its prefix: ids 2^30 + (prefix << 12) + n);
+    a decode step (one query per row: the broadcast form that reads the cache in place)."""
+    t, s, q_slot, kv_slot, q_seg, kv_seg = _case(case)
     (q, k, v), _ = _inputs(t, s, seed=2)
     out = np.asarray(xla_attention(q, k, v, *(jnp.asarray(m, jnp.int32) for m in (q_slot, kv_slot, q_seg, kv_seg)),
                                    scale=DIM ** -0.5, dtype=jnp.float32))
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     scores = np.einsum("btkgd,bskd->bkgts", q, k) * DIM ** -0.5
-    visible = (kv_slot[:, None, :] <= q_slot[:, :, None]) & (kv_seg[:, None, :] == q_seg[:, :, None])
+    prefix = np.where(q_seg >= 1 << 30, (q_seg - (1 << 30)) // (1 << 12), q_seg)
+    visible = (kv_slot[:, None, :] <= q_slot[:, :, None]) & ((kv_seg[:, None, :] == q_seg[:, :, None])
+                                                             | (kv_seg[:, None, :] == prefix[:, :, None]))
     scores = np.where(visible[:, None, None], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     expected = np.einsum("bkgts,bskd->btkgd", probs / probs.sum(-1, keepdims=True), v)
