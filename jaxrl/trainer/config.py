@@ -78,7 +78,7 @@ class UpdateConfig:
     in the packed rows, each completion attending to that one copy: the same losses, and the
     learner's forwards and backward skip ``group_size - 1`` of every ``group_size`` prompt tokens
     (docs/training.md#shared-prompts).
-    max_consecutive_skips: an optimizer step whose loss, gradient or new parameters are not
+    max_consecutive_skips: an optimizer step whose loss, gradient or update is not
     finite is skipped (parameters and optimizer state kept, ``update/nonfinite_skips`` counts
     it); this many skips in a row stop the run with an error. spike_factor: warn when an
     update's gradient norm exceeds ``spike_factor`` x the median of the last 20, or when an

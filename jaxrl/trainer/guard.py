@@ -1,8 +1,8 @@
 """Watching every optimizer update: non-finite updates are skipped and counted, spikes warned about.
 
 The jitted train step (``jaxrl.trainer.update.TrainStep``) already refuses to apply an update
-whose loss, gradient norm or resulting parameters are not finite: it returns the old
-parameters and optimizer state and reports ``update/nonfinite = 1``. ``UpdateGuard`` sees the
+whose loss, gradient norm or update norm is not finite (so parameters never turn non-finite): it
+returns the old parameters and optimizer state and reports ``update/nonfinite = 1``. ``UpdateGuard`` sees the
 metrics of each update on the host and decides what the run does about it:
 
 - a skipped update is logged with its loss and gradient norm and counted;
