@@ -107,10 +107,9 @@ class RLTrainer:
             if value and not self.moe_layers:
                 raise ValueError(f"update.{key} is for MoE models (routers, experts), and this model has no MoE "
                                  f"layers; leave update.{key} unset")
-        if config.update.share_prefix:
-            blocker = shared_prefix_blocker(model.config, self.mesh.devices.flat[0].platform)
-            if blocker:
-                raise ValueError(f"update.share_prefix cannot run on this model: {blocker}")
+        platform = self.mesh.devices.flat[0].platform
+        if config.update.share_prefix and (blocker := shared_prefix_blocker(model.config, platform)):
+            raise ValueError(f"update.share_prefix cannot run on this model: {blocker}")
         longest = data.max_prompt_tokens + config.rollout.max_new_tokens  # a conversation: its env's token limit
         if config.env is not None:
             longest = max(task.limits.max_total_tokens for task in config.env.tasks.values())
