@@ -1,4 +1,5 @@
-"""The learner both trainers start from: the policy's Decoder, sharded on the mesh."""
+"""The learner both trainers start from: the policy's Decoder, sharded on the mesh, and the update
+options that depend on what that model is."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import jax
 from flax import nnx
 
 from jaxrl.models import Decoder, create_sharded_model, load_hf_checkpoint
+from jaxrl.models.packing import shared_prefix_blocker
 
 
 def build_model(policy, mesh: jax.sharding.Mesh) -> Decoder:
@@ -15,3 +17,16 @@ def build_model(policy, mesh: jax.sharding.Mesh) -> Decoder:
     config = policy.architecture.replace(**policy.overrides())
     model, _ = create_sharded_model(lambda: Decoder(config, rngs=nnx.Rngs(policy.init_seed)), mesh)
     return model
+
+
+def check_update_options(update, model: Decoder, mesh: jax.sharding.Mesh) -> None:
+    """Refuses, naming the key, ``update`` options (an ``UpdateConfig``) this model cannot run: routing
+    replay and the router z-loss without MoE layers, shared prompts with layers or a kernel that cannot
+    see a prompt laid out once."""
+    for key, value in (("routing_replay", update.routing_replay), ("router_z_loss", update.router_z_loss)):
+        if value and not model.config.moe_layer_indices:
+            raise ValueError(f"update.{key} is for MoE models (routers, experts), and this model has no MoE "
+                             f"layers; leave update.{key} unset")
+    platform = mesh.devices.flat[0].platform
+    if update.share_prefix and (blocker := shared_prefix_blocker(model.config, platform)):
+        raise ValueError(f"update.share_prefix cannot run on this model: {blocker}")

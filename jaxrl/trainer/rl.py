@@ -46,7 +46,6 @@ from jaxrl.data import BatchIterator, load_examples, load_tokenizer, stop_token_
 from jaxrl.env import EnvRouter
 from jaxrl.evaluation import evaluate
 from jaxrl.models import make_mesh
-from jaxrl.models.packing import shared_prefix_blocker
 from jaxrl.models.scoring import LogprobScorer
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.rollout.base import LogprobKind, PushVerificationError, RolloutEngine, SamplingParams
@@ -54,7 +53,7 @@ from jaxrl.rollout.config import make_engine
 from jaxrl.trainer import stages
 from jaxrl.trainer.batch import StepBatch
 from jaxrl.trainer.checkpoint import CheckpointMismatchError
-from jaxrl.trainer.model import build_model
+from jaxrl.trainer.model import build_model, check_update_options
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.critic import Critic
 from jaxrl.trainer.dynamic_sampling import Drawn, fill_with_signal
@@ -102,14 +101,7 @@ class RLTrainer:
         self.mesh = make_mesh(config.mesh)
         model = build_model(config.model, self.mesh)
         self.moe_layers = model.config.moe_layer_indices
-        for key, value in (("routing_replay", config.update.routing_replay),
-                           ("router_z_loss", config.update.router_z_loss)):
-            if value and not self.moe_layers:
-                raise ValueError(f"update.{key} is for MoE models (routers, experts), and this model has no MoE "
-                                 f"layers; leave update.{key} unset")
-        platform = self.mesh.devices.flat[0].platform
-        if config.update.share_prefix and (blocker := shared_prefix_blocker(model.config, platform)):
-            raise ValueError(f"update.share_prefix cannot run on this model: {blocker}")
+        check_update_options(config.update, model, self.mesh)
         longest = data.max_prompt_tokens + config.rollout.max_new_tokens  # a conversation: its env's token limit
         if config.env is not None:
             longest = max(task.limits.max_total_tokens for task in config.env.tasks.values())
