@@ -15,6 +15,7 @@ seconds of one update and of one reference forward, and the speed-up of ``shared
 of 16-96 new tokens: the prompt is most of each sequence, as with system prompts, few-shot
 examples or agent histories) and bench/vs_tunix.py's ``large`` work (4 prompts of 16 tokens x 4
 samples of 32). The model: 4 layers x hidden 256 (4 heads, 2 kv heads), float32, one CPU device.
+It has no target of its own (issue 14's whole-step targets are bench/vs_tunix.py's TARGET lines).
 
     python bench/shared_prompts.py [--repeats 5]
 """
@@ -52,13 +53,10 @@ def grpo_batch(prompts: int, group: int, prompt_tokens: int, new_tokens: tuple[i
     return batch.replace(old_logp=batch.rollout_logp, ref_logp=batch.rollout_logp, advantages=advantages)
 
 
-def seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
 
 
 def measure(shape: str, config: ModelConfig, repeats: int) -> None:
@@ -88,8 +86,8 @@ def measure(shape: str, config: ModelConfig, repeats: int) -> None:
     times = {name: {"update": [], "reference": []} for name in LAYOUTS}
     for _ in range(repeats):
         for name in LAYOUTS:
-            times[name]["update"].append(seconds(lambda name=name: update(name), 1))
-            times[name]["reference"].append(seconds(lambda name=name: score(name), 1))
+            times[name]["update"].append(seconds(lambda name=name: update(name)))
+            times[name]["reference"].append(seconds(lambda name=name: score(name)))
     print(f"\n== {shape}: {prompts} prompts of {prompt_tokens} tokens x {group} samples of {new_tokens[0]}-"
           f"{new_tokens[1]} new tokens; {batch.num_tokens} real columns in rows of {batch.input_ids.shape[1]}")
     print(f"   {'layout':<8}{'rows':>10}{'cells run':>11}{'update s':>10}{'reference s':>13}")
@@ -115,6 +113,9 @@ def main():
     print(f"backend {jax.default_backend()}; model: 4 layers x hidden 256, float32")
     for shape in SHAPES:
         measure(shape, config, args.repeats)
+    # Issue 14's targets are whole-step ratios against Tunix: bench/vs_tunix.py prints those TARGET lines.
+    print("\nno TARGET of its own: it shows where update.share_prefix pays (the whole-step targets are "
+          "bench/vs_tunix.py's)")
 
 
 if __name__ == "__main__":

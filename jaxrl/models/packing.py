@@ -95,7 +95,7 @@ class PackedRows:
 
     @property
     def padding_fraction(self) -> float:
-        return 1.0 - float((np.asarray(self.segment_ids) > 0).mean())
+        return 1.0 - self.real_cells / np.size(self.segment_ids)
 
 
 def shared_prefix_blocker(config, backend: str | None = None) -> str | None:
