@@ -146,14 +146,23 @@ class SGLangClient:
         """SGLang's raw logprobs of a given sequence (teacher forcing): [L - 1] float32,
         entry t = log p(token_{t+1} | tokens_{<=t}). ``input_token_logprobs`` are raw
         (temperature 1, unfiltered) whatever the fleet's logprob_kind."""
+        return self.scored_logprobs(server, token_ids, self.score_request(server, token_ids))
+
+    def score_request(self, server: int, token_ids: list[int]) -> dict:
+        """The ``meta_info`` of the server's answer to scoring ``token_ids``: the logprobs
+        (:meth:`scored_logprobs` reads them) and the ``weight_version`` that scored them, so a push
+        is verified in one request per server."""
         payload = {"input_ids": token_ids, "return_logprob": True, "logprob_start_len": 0,
                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-        name = f"scoring request ({len(token_ids)} tokens)"
-        response = self.request(server, "POST", "/generate", payload, name)
-        entries = (response.get("meta_info") or {}).get("input_token_logprobs")
+        response = self.request(server, "POST", "/generate", payload, f"scoring request ({len(token_ids)} tokens)")
+        return response.get("meta_info") or {}
+
+    def scored_logprobs(self, server: int, token_ids: list[int], meta: dict) -> np.ndarray:
+        """The [L - 1] logprobs of :meth:`score` from :meth:`score_request`'s ``meta``."""
+        entries = meta.get("input_token_logprobs")
         if entries is None or len(entries) != len(token_ids):
             raise SGLangResponseError(
-                f"{self._describe(server)}, {name}: expected {len(token_ids)} "
+                f"{self._describe(server)}, scoring request ({len(token_ids)} tokens): expected {len(token_ids)} "
                 f"input_token_logprobs, got {None if entries is None else len(entries)}; check that "
                 "the server honours logprob_start_len (SGLang >= 0.5.23)")
         return np.asarray([e[0] for e in entries[1:]], np.float32)

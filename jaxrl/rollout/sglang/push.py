@@ -6,9 +6,9 @@ half-written checkpoint a server could load), ``/update_weights_from_disk`` on e
 with the new ``weight_version``. ``method: tensor``, for servers on the learner's host and
 one JAX process: the same named tensors go to ``/update_weights_from_tensor`` through shared
 memory (``jaxrl.rollout.sglang.tensors``), no file written; the pusher keeps them, so a
-server that restarts is given them again (``reload``). Then, either way, confirm the version
-in ``/model_info``, score a fixed probe sequence on every server and compare with the
-learner's own recompute. A mismatch is a ``PushVerificationError``.
+server that restarts is given them again (``reload``). Then, either way, every server scores a
+fixed probe sequence; its answer must name the new version and match the learner's own
+recompute of the probe. A mismatch is a ``PushVerificationError``.
 
 With several JAX processes (jaxrl.distributed) a push is a collective: the export
 is written once to ``PushConfig.checkpoint_dir`` (which all hosts must see) and
@@ -205,8 +205,7 @@ class WeightPusher:
             exported = time.perf_counter()
             self._load_everywhere(path, version)
         loaded = time.perf_counter()
-        self._check_versions(version)
-        diff = self._check_probe(params, version)
+        diff = self._verify(version, self._expected_probe(params))
         verified = time.perf_counter()
         if self.config.method == "tensor":
             self._last_tensors = (payload, version)
@@ -263,11 +262,11 @@ class WeightPusher:
             raise ValueError(f"PushConfig.method=tensor needs the servers on this host, but {remote[0]} is not a "
                              "local address; use method=disk (a checkpoint the servers can read) for remote servers")
 
-    def _call_everywhere(self, load: Callable[[int], None]) -> None:
-        """``load(i)`` for every server at once (each its own HTTP calls); the first failure is raised."""
+    def _call_everywhere(self, call: Callable[[int], Any]) -> list[Any]:
+        """``call(i)`` for every server at once (each its own HTTP calls); their results in server
+        order; the first failure is raised."""
         with concurrent.futures.ThreadPoolExecutor(self.fleet.num_servers) as pool:
-            for future in [pool.submit(load, i) for i in range(self.fleet.num_servers)]:
-                future.result()
+            return [future.result() for future in [pool.submit(call, i) for i in range(self.fleet.num_servers)]]
 
     def _load_tensors(self, index: int, payload: str, version: str) -> None:
         """One server's ``/update_weights_from_tensor`` of ``payload`` (``SharedTensors``) inside
@@ -285,28 +284,28 @@ class WeightPusher:
                 f"{self.fleet.describe(index)}: {name} failed: {result.get('message')!r}; check that the tensors "
                 "have the served architecture's names and shapes, or use PushConfig.method=disk")
 
-    def _check_versions(self, version: str) -> None:
-        infos = self._client.map([(i, "GET", "/model_info", None, f"version check after pushing {version!r}")
-                                  for i in range(self.fleet.num_servers)])
-        for i, info in enumerate(infos):
-            if info.get("weight_version") != version:
-                raise PushVerificationError(
-                    f"{self.fleet.describe(i)} reports weight_version "
-                    f"{info.get('weight_version')!r} after the push of {version!r}; the update "
-                    "did not take effect: check the server log and that /update_weights_from_disk "
-                    "accepts weight_version (SGLang >= 0.5.23)")
-
-    def _check_probe(self, params, version: str) -> float:
-        """Every server's probe logprobs against the learner's; returns the largest difference (nats)."""
+    def _expected_probe(self, params) -> np.ndarray:
         probe = np.asarray(self.config.probe_ids, np.int32)
         expected = np.asarray(self._recompute_fn(params, probe), np.float64)
         if expected.shape != (len(probe) - 1,):
             raise ValueError(f"recompute_fn returned shape {expected.shape}; expected "
                              f"({len(probe) - 1},): log p(token t+1 | tokens <= t) of the probe")
+        return expected
+
+    def _verify(self, version: str, expected: np.ndarray) -> float:
+        """Every server scores the probe; the answer must carry ``version`` and logprobs within
+        ``probe_atol`` of the learner's ``expected``. Returns the largest difference (nats)."""
+        probe = list(self.config.probe_ids)
+        answers = self._call_everywhere(lambda i: self._client.score_request(i, probe))
         worst = 0.0
-        for i in range(self.fleet.num_servers):
-            got = self._client.score(i, list(self.config.probe_ids)).astype(np.float64)
-            diff = float(np.max(np.abs(got - expected)))
+        for i, meta in enumerate(answers):
+            if meta.get("weight_version") != version:
+                raise PushVerificationError(
+                    f"{self.fleet.describe(i)} reports weight_version {meta.get('weight_version')!r} after the "
+                    f"push of {version!r}; the update did not take effect: check the server log and that "
+                    "/update_weights_from_disk accepts weight_version (SGLang >= 0.5.23)")
+            got = self._client.scored_logprobs(i, probe, meta)
+            diff = float(np.max(np.abs(got.astype(np.float64) - expected)))
             worst = max(worst, diff)
             if not diff <= self.config.probe_atol:
                 raise PushVerificationError(
