@@ -3,9 +3,9 @@
 - ``ragged``: ``allgather_ragged`` of arrays that depend on the process index
   (process p holds p + 1 arrays, one of them empty, in three dtypes); writes
   what it got to ``OUT_DIR/ragged-<p>.npz``.
-- ``sglang MODEL_PATH BASE_PORT``: starts one CPU SGLang server on port
-  ``BASE_PORT + p`` serving ``MODEL_PATH`` (an MoE model: routes come back) as
-  weight version ``p<p>``, generates
+- ``sglang MODEL_PATH URL0,URL1``: process p drives the running CPU SGLang server
+  ``URL<p>`` (serving ``MODEL_PATH``, an MoE model: routes come back, as weight
+  version ``p<p>``) as its own fleet, generates
   ``PROMPTS`` through ``SGLangEngine`` (this process's share on its own server,
   the rest gathered), pushes version ``1`` and generates again; writes the
   samples and its own server's scoring of every sample to ``OUT_DIR/sglang-<p>.json``.
@@ -47,22 +47,19 @@ def run_ragged(out_dir: str, process: int) -> None:
              **{f"{name}/{k}": a for name, arrays in gathered.items() for k, a in enumerate(arrays)})
 
 
-def run_sglang(out_dir: str, process: int, model_path: str, base_port: int) -> None:
+def run_sglang(out_dir: str, process: int, model_path: str, urls: list[str]) -> None:
     from jaxrl.models import load_hf_checkpoint
     from jaxrl.rollout.base import SamplingParams
-    from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig, ServerManager, SGLangEngine
+    from jaxrl.rollout.sglang import ClientConfig, PushConfig, SGLangEngine
+    from jaxrl.rollout.sglang.external import ExternalFleetConfig, ExternalServers
 
-    manager = ServerManager(ServerConfig(
-        model_path=model_path, base_port=base_port + process, log_dir=os.path.join(out_dir, f"logs-{process}"),
-        return_routed_experts=True, startup_timeout_s=120, stop_timeout_s=2))
-    manager.record_weights(model_path, f"p{process}")  # the version tells which server generated a sample
-    manager.start()
+    servers = ExternalServers([urls[process]], model_path, ExternalFleetConfig(return_routed_experts=True), api_key="")
+    engine = SGLangEngine(servers, push=PushConfig(checkpoint_dir=os.path.join(out_dir, "pushed")),
+                          client=ClientConfig(max_tries=4, backoff_s=0.2))
     try:
-        engine = SGLangEngine(manager, push=PushConfig(checkpoint_dir=os.path.join(out_dir, "pushed")),
-                              client=ClientConfig(max_tries=4, backoff_s=0.2))
         params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=3)
         batches = [engine.generate(PROMPTS, params, n=SAMPLES_PER_PROMPT)]
-        push = engine.update_weights(load_hf_checkpoint(model_path), "1")
+        push = engine.update_weights(load_hf_checkpoint(model_path), "1")  # a push is collective: one version
         batches.append(engine.generate(PROMPTS, params, n=SAMPLES_PER_PROMPT))
         report = {"push_probe_max_abs_diff": push["push/probe_max_abs_diff"], "batches": [[[{
             "prompt_ids": s.prompt_ids.tolist(), "output_ids": s.output_ids.tolist(),
@@ -74,9 +71,8 @@ def run_sglang(out_dir: str, process: int, model_path: str, base_port: int) -> N
         } for s in group] for group in batch] for batch in batches]}
         with open(os.path.join(out_dir, f"sglang-{process}.json"), "w") as f:
             json.dump(report, f)
-        engine.close()
     finally:
-        manager.stop()
+        engine.close()
 
 
 def main(argv: list[str]) -> int:
@@ -86,7 +82,7 @@ def main(argv: list[str]) -> int:
         if mode == "ragged":
             run_ragged(out_dir, info.process_index)
         elif mode == "sglang":
-            run_sglang(out_dir, info.process_index, rest[0], int(rest[1]))
+            run_sglang(out_dir, info.process_index, rest[0], rest[1].split(","))
         else:
             raise ValueError(f"unknown mode {mode!r}")
     distributed.shutdown()

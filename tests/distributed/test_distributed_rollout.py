@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import numpy as np
 import pytest
+import requests
 
 from jaxrl import distributed
 from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
@@ -53,35 +53,21 @@ def test_allgather_ragged_across_two_processes_is_exact_and_in_process_order(pro
                 np.testing.assert_array_equal(array, want, err_msg=f"{name}/{k}")  # bit for bit, int64 too
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free, below the ephemeral range: a server takes tens of seconds to
-    bind its port, time enough for an outgoing connection to take a free ephemeral one."""
-    for base in range(32100, 32700, 10):
-        try:
-            for port in (base, base + 1):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no two free ports in 32100-32700")
-
-
 @pytest.mark.sglang
 @pytest.mark.skipif(not CPU_VENV_PYTHON.exists(), reason="run scripts/setup_sglang_cpu.sh first")
-def test_sglang_generate_on_two_processes_each_with_its_own_server(processes, tmp_path):
-    from jaxrl.models import ModelConfig
-    from jaxrl.rollout.sglang.testing import write_random_checkpoint
-
-    config = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, max_position_embeddings=512, mlp_types=("moe", "moe"),
-                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
-    model = write_random_checkpoint(str(tmp_path / "model"), config, seed=1)
-    base_port = _free_port_pair()
-    processes.start_group([sys.executable, rollout_worker.__file__, "sglang", str(tmp_path),
-                           str(tmp_path / "model"), str(base_port)])
-    for result in processes.wait_all(timeout_s=170):
-        assert result.returncode == 0, result.output[-5000:]
+def test_sglang_generate_on_two_processes_each_with_its_own_server(processes, tmp_path, sglang_moe):
+    """Process p drives server p of the shared two-server MoE fleet (tests/conftest.py) as its own."""
+    model, urls = sglang_moe.model, sglang_moe.manager.urls
+    try:
+        for p, url in enumerate(urls):  # the version tells which server generated a sample
+            reload = {"model_path": sglang_moe.model_path, "weight_version": f"p{p}", "flush_cache": True}
+            requests.post(url + "/update_weights_from_disk", json=reload, timeout=120).raise_for_status()
+        processes.start_group([sys.executable, rollout_worker.__file__, "sglang", str(tmp_path),
+                               sglang_moe.model_path, ",".join(urls)])
+        for result in processes.wait_all(timeout_s=120):
+            assert result.returncode == 0, result.output[-5000:]
+    finally:  # the fleet's own record of its weights again (the workers pushed versions it does not know)
+        sglang_moe.engine.update_weights(sglang_moe.model, "moe-restored")
 
     reports = [json.load(open(tmp_path / f"sglang-{p}.json")) for p in (0, 1)]
     prompts, n = rollout_worker.PROMPTS, rollout_worker.SAMPLES_PER_PROMPT
