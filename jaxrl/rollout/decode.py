@@ -109,7 +109,7 @@ class Decoded(NamedTuple):
 
 
 def decode_loop(model, logits, cache, start_positions, done, keys, temperature, top_k, top_p, stop_ids,
-                max_new_tokens, first_routes, *, new_token_bucket: int) -> Decoded:
+                max_new_tokens, first_routes, *, new_token_bucket: int, feed_last: bool = True) -> Decoded:
     """Samples up to ``max_new_tokens`` tokens per row from ``logits`` [B, V] (the next-token
     logits after each row's context), feeding each sampled token to ``model`` through ``cache``
     (every row writes the cache's shared index). start_positions [B]: the position of each row's
@@ -119,7 +119,10 @@ def decode_loop(model, logits, cache, start_positions, done, keys, temperature, 
 
     Every sampled token is fed, the last one too, so afterwards the cache holds each row's
     context and its ``lengths`` new tokens; a row that stopped early wrote on (unused tokens)
-    until the loop ended: :func:`forget_unwritten` masks those cache rows. N = new_token_bucket.
+    until the loop ended: :func:`forget_unwritten` masks those cache rows. With ``feed_last``
+    False the token of step ``max_new_tokens - 1`` is sampled but not fed (a caller that drops the
+    cache never reads it: one model call fewer); the cache then lacks it and ``last_routes`` is
+    None. N = new_token_bucket.
     """
     batch = logits.shape[0]
     tokens = jnp.zeros((batch, new_token_bucket), jnp.int32)
@@ -131,19 +134,24 @@ def decode_loop(model, logits, cache, start_positions, done, keys, temperature, 
         routes = jnp.zeros((batch, new_token_bucket + 1) + first_routes.shape[1:], jnp.int32)
         routes = routes.at[:, 0].set(first_routes)
 
-    def keep_going(carry):
-        step, _, _, done, *_ = carry
-        return (step < max_new_tokens) & ~jnp.all(done)
-
-    def body(carry):
-        step, logits, cache, done, lengths, tokens, raw, processed, routes = carry
+    def sample(step, logits, done, lengths, tokens, raw, processed):
         token, raw_lp, proc_lp = sample_step(logits, noise.fold_in(keys, step), temperature, top_k, top_p)
-        live = ~done
+        live = ~done & (step < max_new_tokens)
         tokens = tokens.at[:, step].set(jnp.where(live, token, 0))
         raw = raw.at[:, step].set(jnp.where(live, raw_lp, 0.0))
         processed = processed.at[:, step].set(jnp.where(live, proc_lp, 0.0))
-        lengths = lengths + live.astype(jnp.int32)
-        done = done | jnp.isin(token, stop_ids)
+        done = done | (live & jnp.isin(token, stop_ids))
+        return token, done, lengths + live.astype(jnp.int32), tokens, raw, processed
+
+    fed_steps = max_new_tokens if feed_last else max_new_tokens - 1
+
+    def keep_going(carry):
+        step, _, _, done, *_ = carry
+        return (step < fed_steps) & ~jnp.all(done)
+
+    def body(carry):
+        step, logits, cache, done, lengths, tokens, raw, processed, routes = carry
+        token, done, lengths, tokens, raw, processed = sample(step, logits, done, lengths, tokens, raw, processed)
         position = (start_positions + step)[:, None]
         out = model(token[:, None], position, jnp.ones_like(position), cache=cache)
         if routes is not None:
@@ -152,10 +160,14 @@ def decode_loop(model, logits, cache, start_positions, done, keys, temperature, 
         return step + 1, logits, out.cache, done, lengths, tokens, raw, processed, routes
 
     carry = (jnp.zeros((), jnp.int32), logits, cache, done, lengths, tokens, raw, processed, routes)
-    _, _, cache, done, lengths, tokens, raw, processed, routes = jax.lax.while_loop(keep_going, body, carry)
+    step, logits, cache, done, lengths, tokens, raw, processed, routes = jax.lax.while_loop(keep_going, body, carry)
     last = None
-    if routes is not None:
+    if not feed_last:  # the unfed last step (a no-op when every row is done or nothing was asked for)
+        step = jnp.minimum(step, new_token_bucket - 1)
+        _, done, lengths, tokens, raw, processed = sample(step, logits, done, lengths, tokens, raw, processed)
+    elif routes is not None:
         last = jnp.take_along_axis(routes, lengths[:, None, None, None], axis=1)[:, 0]
+    if routes is not None:
         routes = routes[:, :new_token_bucket]
     return Decoded(tokens, raw, processed, lengths, done, routes, last, cache)
 

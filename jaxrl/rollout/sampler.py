@@ -108,7 +108,7 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, tempe
     prompt_routes = None if out.routed_experts is None else per_row(out.routed_experts)
     d = decode_loop(model, logits, cache, prompt_lengths, prompt_lengths == 0, row_keys, temperature, top_k, top_p,
                     stop_ids, max_new_tokens, None if prompt_routes is None else prompt_routes[:, -1],
-                    new_token_bucket=new_token_bucket)
+                    new_token_bucket=new_token_bucket, feed_last=keep_cache)
     kept = (forget_unwritten(d.cache, prompt_bucket, d.lengths), d.last_routes) if keep_cache else None
     return (d.tokens, d.raw, d.processed, d.lengths, d.stopped, d.routes, prompt_routes), kept
 

@@ -310,6 +310,28 @@ def test_moe_routed_experts_match_the_full_forward():
         np.testing.assert_array_equal(sample.prompt_routed_experts, route[:len(prompt) - 1])
 
 
+def test_generate_without_a_kept_cache_samples_what_the_kept_cache_path_samples(sampler):
+    """A plain generate does not feed its last sampled token (nothing reads that cache row); the
+    kept-cache path of multi-turn feeds every token. Both give the same samples, also when rows stop
+    early (a stop id) and when one token is asked for (no token is fed at all)."""
+    arrays = [np.asarray(p, np.int32) for p in PROMPTS]
+    jobs = [(i, j) for i in range(len(arrays)) for j in range(2)][:8]  # two samples of each of four prompts
+    rows = [arrays[i] for i, _ in jobs]
+    seeded = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    stop = int(sampler._run(rows, jobs, seeded)[0][0].output_ids[2])
+    for params in (seeded, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5, stop_token_ids=(stop,)),
+                   SamplingParams(temperature=1.0, max_new_tokens=1, seed=5)):
+        plain, kept = (sampler._run(rows, jobs, params, keep_cache=keep)[0]
+                       for keep in (False, True))
+        assert [s.output_ids.size for s in plain] == [s.output_ids.size for s in kept]
+        for a, b in zip(plain, kept, strict=True):
+            np.testing.assert_array_equal(a.output_ids, b.output_ids)
+            np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-6)
+            assert a.finish_reason == b.finish_reason
+        if params.stop_token_ids:
+            assert {s.finish_reason for s in plain} == {"stop", "length"}
+
+
 def test_sharded_sampler_matches_one_device(model, sampler):
     from jaxrl.models.sharding import MeshConfig, make_mesh, shard_model
 
