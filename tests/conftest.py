@@ -198,6 +198,18 @@ def sglang_moe(_sglang_fleets):
 
 
 @pytest.fixture(autouse=True)
+def _grouped_as_marked(request):
+    """Under ``--dist loadgroup`` xdist marks each grouped test's id with its group (``...::test@sglang``)
+    and schedules by it. A pytest whose ids ignore that (pytest 9 with xdist 3.8) silently spreads the
+    groups over the workers: each worker then starts its own SGLang fleets, on ports the other is
+    binding. Such a test fails here, saying so."""
+    if (request.config.getoption("loadgroup", default=False) and request.node.get_closest_marker("xdist_group")
+            and "@" not in request.node.nodeid):
+        pytest.fail("--dist loadgroup did not group this test: this pytest / pytest-xdist pair ignores the groups; "
+                    "install the versions of requirements.txt (scripts/setup.sh)", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
 def _sglang_dense_api_key_env(request, monkeypatch):
     """Tests on ``sglang_dense`` see its key in ``JAXRL_SGLANG_API_KEY`` (read by ExternalServers)."""
     if "sglang_dense" in request.fixturenames:
