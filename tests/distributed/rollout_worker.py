@@ -50,8 +50,7 @@ def run_ragged(out_dir: str, process: int) -> None:
 def run_sglang(out_dir: str, process: int, model_path: str, urls: list[str]) -> None:
     from jaxrl.models import load_hf_checkpoint
     from jaxrl.rollout.base import SamplingParams
-    from jaxrl.rollout.sglang import ClientConfig, PushConfig, SGLangEngine
-    from jaxrl.rollout.sglang.external import ExternalFleetConfig, ExternalServers
+    from jaxrl.rollout.sglang import ClientConfig, ExternalFleetConfig, ExternalServers, PushConfig, SGLangEngine
 
     servers = ExternalServers([urls[process]], model_path, ExternalFleetConfig(return_routed_experts=True), api_key="")
     engine = SGLangEngine(servers, push=PushConfig(checkpoint_dir=os.path.join(out_dir, "pushed")),

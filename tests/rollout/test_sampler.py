@@ -310,10 +310,11 @@ def test_moe_routed_experts_match_the_full_forward():
         np.testing.assert_array_equal(sample.prompt_routed_experts, route[:len(prompt) - 1])
 
 
-def test_generate_without_a_kept_cache_samples_what_the_kept_cache_path_samples(sampler):
+def test_generate_without_a_kept_cache_samples_what_the_kept_cache_path_samples(model, sampler):
     """A plain generate does not feed its last sampled token (nothing reads that cache row); the
     kept-cache path of multi-turn feeds every token. Both give the same samples, also when rows stop
-    early (a stop id) and when one token is asked for (no token is fed at all)."""
+    early (a stop id) and when one token is asked for (no token is fed at all), and every logprob of
+    the plain path, the unfed last token's too, is the learner's full forward's (temperature 1)."""
     arrays = [np.asarray(p, np.int32) for p in PROMPTS]
     jobs = [(i, j) for i in range(len(arrays)) for j in range(2)][:8]  # two samples of each of four prompts
     rows = [arrays[i] for i, _ in jobs]
@@ -328,6 +329,11 @@ def test_generate_without_a_kept_cache_samples_what_the_kept_cache_path_samples(
             np.testing.assert_array_equal(a.output_ids, b.output_ids)
             np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, rtol=0, atol=1e-6)
             assert a.finish_reason == b.finish_reason
+        logits = full_logits(model, [r.tolist() + s.output_ids.tolist() for r, s in zip(rows, plain, strict=True)])
+        for r, (prompt, s) in enumerate(zip(rows, plain, strict=True)):
+            steps = logits[r, prompt.size - 1:prompt.size - 1 + s.output_ids.size].astype(np.float64)
+            expected = special.log_softmax(steps, axis=-1)[np.arange(s.output_ids.size), s.output_ids]
+            np.testing.assert_allclose(s.output_logprobs, expected, atol=5e-5)
         if params.stop_token_ids:
             assert {s.finish_reason for s in plain} == {"stop", "length"}
 
