@@ -330,6 +330,21 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     return tensors
 
 
+def hf_tensor_views(model: Decoder) -> dict[str, np.ndarray]:
+    """The tensors of :func:`hf_tensors` as host views of the parameters, nothing copied where the
+    parameters already live in host memory on one device (numpy views, mostly transposed, so not
+    contiguous). For a consumer that copies them anyway: the in-memory SGLang push copies each
+    view once, straight into its shared buffer, where :func:`hf_tensors` would first lay out a
+    contiguous copy. One JAX process only; the views are valid while the model's arrays live.
+    """
+    if jax.process_count() > 1:
+        raise ValueError("hf_tensor_views reads this process's parameters: use hf_tensors with several processes")
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    views = {name: view for m in tensor_maps(model.config)
+             for name, view in zip(m.hf_names, m.save(np.asarray(flat[m.path][...])), strict=True)}
+    return {**views, **derived_tensors(model.config)}
+
+
 def save_hf_checkpoint(model: Decoder, path: str) -> None:
     """Write `config.json` and `model.safetensors` (transformers layout, parameter dtype) to `path`.
 

@@ -97,3 +97,26 @@ def test_unknown_and_missing_tensors_are_named(tmp_path):
         save_file(changed, str(tmp_path / folder / "model.safetensors"), metadata={"format": "pt"})
         with pytest.raises(ValueError, match=pattern):
             load_hf_checkpoint(str(tmp_path / folder))
+
+
+@pytest.mark.parametrize("hf_config,dtype", [(qwen3_config(tie=True), torch.float32),
+                                             (qwen3_moe_config(), torch.bfloat16)],
+                         ids=["qwen3-tied", "qwen3-moe-bf16"])
+def test_in_memory_push_hands_over_the_checkpoint_tensors(tmp_path, hf_config, dtype):
+    """The in-memory SGLang push copies host views of the parameters (``hf_tensor_views``, mostly
+    transposed) straight into its shared buffers: what a server reads back is transformers' own
+    saved tensors, bit for bit, in either dtype."""
+    from jaxrl.models.hf import hf_tensor_views
+    from jaxrl.rollout.sglang.tensors import SharedTensors, read_payload
+
+    random_model(hf_config, seed=4).to(dtype).save_pretrained(tmp_path)
+    original = read_tensors(tmp_path)
+    if hf_config.tie_word_embeddings:
+        original.pop("lm_head.weight", None)  # we do not write the tied copy
+    shared = SharedTensors()
+    model = load_hf_checkpoint(str(tmp_path))
+    assert_same_tensors(read_payload(shared.payload(hf_tensor_views(model))), original)
+    # The buffers are rewritten in place by the next push: another model's tensors replace these.
+    random_model(hf_config, seed=5).to(dtype).save_pretrained(tmp_path / "other")
+    assert_same_tensors(read_payload(shared.payload(hf_tensor_views(load_hf_checkpoint(str(tmp_path / "other"))))),
+                        {k: v for k, v in read_tensors(tmp_path / "other").items() if k in original})

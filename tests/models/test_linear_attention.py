@@ -464,6 +464,27 @@ def test_hybrid_checkpoint_round_trip(family, tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+def test_hybrid_in_memory_push_hands_over_the_checkpoint_tensors(family):
+    """The in-memory SGLang push's buffers (host views of the parameters, the depthwise conv's
+    [K, C] -> [C, 1, K] included, copied once each) hold transformers' own saved tensors: bit for bit,
+    MiniMax's recomputed decay tables to float32 rounding as in the round trip above."""
+    from safetensors.numpy import load_file
+
+    from jaxrl.models.hf import hf_tensor_views
+    from jaxrl.rollout.sglang.tensors import SharedTensors, read_payload
+
+    _, _, folder, model = family
+    original = load_file(str(folder / "model.safetensors"))
+    handed = read_payload(SharedTensors().payload(hf_tensor_views(model)))
+    assert sorted(handed) == sorted(original)
+    for key, want in original.items():
+        assert handed[key].dtype == want.dtype and handed[key].shape == want.shape, key
+        if key.endswith(("_decay", "slope_rate")):
+            np.testing.assert_allclose(handed[key], want, rtol=1e-6, atol=0, err_msg=key)
+        else:
+            assert handed[key].tobytes() == want.tobytes(), key
+
+
 def test_hybrid_sharded_equals_single_device(family, float32_gap):
     """8 CPU devices: batch over data, heads over tensor, experts over expert; equal within
     max(1e-5, twice the model's float32 gap) (partitioned matmuls sum in another order)."""

@@ -40,7 +40,8 @@ from jaxrl.rollout.sglang.fleet import Fleet
 ExportFn = Callable[[Any, str], None]
 # (params, token_ids [L] int) -> [L - 1] float: log p(token_{t+1} | tokens_{<=t}), raw logits, T = 1.
 RecomputeFn = Callable[[Any, np.ndarray], np.ndarray]
-# (params) -> {HF tensor name: host array}: what a checkpoint of ``params`` holds (method: tensor).
+# (params) -> {HF tensor name: host array}: what a checkpoint of ``params`` holds (method: tensor);
+# views of the learner's arrays will do: they are copied into shared memory before the push goes on.
 TensorsFn = Callable[[Any], dict[str, np.ndarray]]
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -54,10 +55,11 @@ def export_decoder(model, path: str) -> None:
 
 
 def tensors_decoder(model) -> dict[str, np.ndarray]:
-    """Default ``TensorsFn``: ``jaxrl.models.hf.hf_tensors`` of the learner's ``Decoder``."""
-    from jaxrl.models.hf import hf_tensors
+    """Default ``TensorsFn``: ``jaxrl.models.hf.hf_tensor_views`` of the learner's ``Decoder`` (host
+    views of its parameters in HF's layout, each copied once, into its shared buffer)."""
+    from jaxrl.models.hf import hf_tensor_views
 
-    return hf_tensors(model)
+    return hf_tensor_views(model)
 
 
 def recompute_decoder(model, token_ids: np.ndarray) -> np.ndarray:
@@ -195,17 +197,19 @@ class WeightPusher:
         probe checks), push/total_s, push/probe_max_abs_diff (nats).
         """
         start = time.perf_counter()
-        if self.config.method == "tensor":
-            self._last_tensors = None  # the buffers are about to hold weights no server has verified
-            payload = self._shared.payload(self._tensors_fn(params))
-            exported = time.perf_counter()
-            self._call_everywhere(lambda i: self._load_tensors(i, payload, version))
-        else:
-            path = self._checkpoints.write(params, version)
-            exported = time.perf_counter()
-            self._load_everywhere(path, version)
-        loaded = time.perf_counter()
-        diff = self._verify(version, self._expected_probe(params))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            expected = self._probe_recompute(params, pool)
+            if self.config.method == "tensor":
+                self._last_tensors = None  # the buffers are about to hold weights no server has verified
+                payload = self._shared.payload(self._tensors_fn(params))
+                exported = time.perf_counter()
+                self._call_everywhere(lambda i: self._load_tensors(i, payload, version))
+            else:
+                path = self._checkpoints.write(params, version)
+                exported = time.perf_counter()
+                self._load_everywhere(path, version)
+            loaded = time.perf_counter()
+            diff = self._verify(version, expected)
         verified = time.perf_counter()
         if self.config.method == "tensor":
             self._last_tensors = (payload, version)
@@ -284,6 +288,16 @@ class WeightPusher:
                 f"{self.fleet.describe(index)}: {name} failed: {result.get('message')!r}; check that the tensors "
                 "have the served architecture's names and shapes, or use PushConfig.method=disk")
 
+    def _probe_recompute(self, params, pool: concurrent.futures.Executor) -> Callable[[], np.ndarray]:
+        """The learner's probe logprobs, to be read once the servers have loaded: with one JAX
+        process computed in ``pool`` meanwhile (it needs only ``params``; about 30 ms of a ~100M
+        model's push here); with several in place, first, since the recompute is a collective every
+        process must enter in the same order."""
+        if jax.process_count() > 1:
+            expected = self._expected_probe(params)
+            return lambda: expected
+        return pool.submit(self._expected_probe, params).result
+
     def _expected_probe(self, params) -> np.ndarray:
         probe = np.asarray(self.config.probe_ids, np.int32)
         expected = np.asarray(self._recompute_fn(params, probe), np.float64)
@@ -292,11 +306,12 @@ class WeightPusher:
                              f"({len(probe) - 1},): log p(token t+1 | tokens <= t) of the probe")
         return expected
 
-    def _verify(self, version: str, expected: np.ndarray) -> float:
+    def _verify(self, version: str, expected: Callable[[], np.ndarray]) -> float:
         """Every server scores the probe; the answer must carry ``version`` and logprobs within
-        ``probe_atol`` of the learner's ``expected``. Returns the largest difference (nats)."""
+        ``probe_atol`` of the learner's ``expected()``. Returns the largest difference (nats)."""
         probe = list(self.config.probe_ids)
         answers = self._call_everywhere(lambda i: self._client.score_request(i, probe))
+        expected = expected()
         worst = 0.0
         for i, meta in enumerate(answers):
             if meta.get("weight_version") != version:
