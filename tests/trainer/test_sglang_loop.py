@@ -22,11 +22,14 @@ def digit_reward(prompt, response, response_ids, row):
     return RewardResult(score=sum(c.isdigit() for c in response) / max(len(response), 1))
 
 
-def test_rl_steps_with_sglang_engine_synchronous_and_asynchronous(tmp_path):
-    """One server, two runs: 2 synchronous steps, then 3 with ``rollout.max_staleness=1`` (the
-    server generates the next batch while the learner updates). The asynchronous run's batches
-    carry versions 0, 0, 1 (a lag of 0, 1, 1 updates), each push passes the probe check, and
-    the first batch (sampled with the learner's own weights) matches its recompute."""
+def test_rl_steps_with_sglang_engine_synchronous_asynchronous_and_in_memory(tmp_path):
+    """One server, three runs: 2 synchronous steps, then 3 with ``rollout.max_staleness=1`` (the
+    server generates the next batch while the learner updates), then 2 synchronous steps with
+    ``rollout.sglang.push.method=tensor``. The asynchronous run's batches carry versions 0, 0, 1
+    (a lag of 0, 1, 1 updates), each push passes the probe check, and the first batch (sampled
+    with the learner's own weights) matches its recompute. The in-memory run writes no
+    checkpoint, and the server serves each update it hands over: every batch matches the
+    learner's recompute."""
     import socket
 
     import jax
@@ -34,7 +37,7 @@ def test_rl_steps_with_sglang_engine_synchronous_and_asynchronous(tmp_path):
     from jaxrl.config import from_dict
     from jaxrl.demo import write_demo_files
     from jaxrl.models import ModelConfig
-    from jaxrl.rollout.sglang import PushConfig, ServerConfig, ServerManager, SGLangEngine
+    from jaxrl.rollout.sglang import ServerConfig, ServerManager, SGLangEngine
     from jaxrl.rollout.sglang.testing import write_random_checkpoint
     from jaxrl.trainer.config import TrainConfig
     from jaxrl.trainer.metrics import read_jsonl
@@ -51,7 +54,9 @@ def test_rl_steps_with_sglang_engine_synchronous_and_asynchronous(tmp_path):
     server = {"model_path": model_path, "base_port": port, "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 300}
     push = {"checkpoint_dir": str(tmp_path / "pushed"), "probe_ids": [1, 5, 9, 3, 12]}
 
-    def config(name, steps, staleness):
+    in_memory_push = {**push, "method": "tensor", "checkpoint_dir": str(tmp_path / "never-written")}
+
+    def config(name, steps, staleness, push=push):
         return from_dict(TrainConfig, {
             "output_dir": str(tmp_path / name), "steps": steps, "seed": 0,
             "model": {"hf_path": model_path},
@@ -67,12 +72,17 @@ def test_rl_steps_with_sglang_engine_synchronous_and_asynchronous(tmp_path):
         })
 
     manager = ServerManager(from_dict(ServerConfig, server)).start()
-    engine = SGLangEngine(manager, push=from_dict(PushConfig, push))
+    engines = []
     try:
         runs = {}
-        for name, steps, staleness in (("sync", 2, 0), ("async", 3, 1)):
-            # The second trainer pushes its initial weights back to the server as version 0.
-            trainer = RLTrainer(config(name, steps, staleness), engine=engine)
+        for name, steps, staleness, run_push in (("sync", 2, 0, push), ("async", 3, 1, push),
+                                                 ("in_memory", 2, 0, in_memory_push)):
+            run_config = config(name, steps, staleness, run_push)
+            # The engine the trainer builds from its rollout.sglang section (make_engine), on the
+            # server already running. Each trainer pushes its initial weights as version 0.
+            engine = SGLangEngine(manager, push=run_config.rollout.sglang.push)
+            engines.append(engine)
+            trainer = RLTrainer(run_config, engine=engine)
             try:
                 before = [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
                 trainer.run()
@@ -83,7 +93,8 @@ def test_rl_steps_with_sglang_engine_synchronous_and_asynchronous(tmp_path):
             assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
             runs[name] = read_jsonl(str(tmp_path / name / "metrics.jsonl"))
     finally:
-        engine.close()
+        for engine in engines:
+            engine.close()
         manager.stop()
     assert [r["step"] for r in runs["sync"]] == [1, 2]
     for row in runs["sync"]:
@@ -94,3 +105,7 @@ def test_rl_steps_with_sglang_engine_synchronous_and_asynchronous(tmp_path):
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
     assert rows[0]["mismatch/abs_log_ratio_max"] < 1e-4 < rows[1]["mismatch/abs_log_ratio_max"]
     assert all(r["push/probe_max_abs_diff"] < 1e-5 for r in rows)
+    assert [r["step"] for r in runs["in_memory"]] == [1, 2]
+    assert not (tmp_path / "never-written").exists() and engines[2].push_config.method == "tensor"
+    for row in runs["in_memory"]:
+        assert row["mismatch/abs_log_ratio_max"] < 1e-4 and row["push/probe_max_abs_diff"] < 1e-5
