@@ -7,12 +7,12 @@ Starts one CPU SGLang server (float32) on a random ~100M-parameter Qwen3
 ``safetensors.numpy.save_file`` of the same tensors (already on the host), the engine's
 ``PushConfig.method: disk`` push (export = checkpoint write + atomic rename, load =
 /update_weights_from_disk, verify = version + probe logprob check) and its ``method:
-tensor`` push (export = the HF tensors, views of the parameters, copied into shared buffers,
-load = /update_weights_from_tensor through shared memory, the same verify; with one JAX
-process the learner's probe recompute runs during the load). The first push of each method warms up (compiles
-the probe's recompute, faults in the shared buffers) and is not counted. Prints each phase and
-each push total over the plain write, then the TARGET line on the in-memory push's median
-ratio. Needs scripts/setup_sglang_cpu.sh.
+tensor`` push (export = the HF tensors, views of the parameters, copied into shared
+buffers, load = /update_weights_from_tensor through shared memory, the same verify; with one
+JAX process the learner's probe recompute runs during the load). The first push of each
+method warms up (compiles the probe's recompute, faults in the shared buffers) and is not
+counted. Prints each phase and each push total over the plain write, then the TARGET line on
+the in-memory push's median ratio. Needs scripts/setup_sglang_cpu.sh.
 """
 
 from __future__ import annotations

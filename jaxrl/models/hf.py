@@ -309,6 +309,14 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, **co
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def _saved_tensors(model: Decoder, place: Callable):
+    """(HF name, tensor) for every parameter of ``model``, each laid out by its map's ``save`` on
+    ``place(parameter)`` (the jax array itself, or a host view of it), one parameter at a time."""
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    for m in tensor_maps(model.config):
+        yield from zip(m.hf_names, m.save(place(flat[m.path][...])), strict=True)
+
+
 def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     """The tensors a transformers checkpoint of ``model`` holds, by name, on the host (parameter
     dtype; MiniMax's derived buffers included).
@@ -316,15 +324,13 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     With several JAX processes every process must call this (gathering parameters spread over
     processes is a collective); process 0 gets the tensors, the others an empty dict.
     """
-    flat = dict(nnx.to_flat_state(nnx.state(model)))
     tensors = {}
-    for m in tensor_maps(model.config):
-        # On the device, one parameter at a time: XLA lays out the transposes (about 4x numpy's
-        # strided copy on CPU), and no process ever holds more than one gathered tensor.
-        for name, array in zip(m.hf_names, m.save(flat[m.path][...]), strict=True):
-            value = distributed.to_host(array)
-            if distributed.is_main_process():
-                tensors[name] = np.ascontiguousarray(value)
+    # On the device, one parameter at a time: XLA lays out the transposes (about 4x numpy's
+    # strided copy on CPU), and no process ever holds more than one gathered tensor.
+    for name, array in _saved_tensors(model, lambda x: x):
+        value = distributed.to_host(array)
+        if distributed.is_main_process():
+            tensors[name] = np.ascontiguousarray(value)
     if distributed.is_main_process():
         tensors.update(derived_tensors(model.config))
     return tensors
@@ -339,10 +345,7 @@ def hf_tensor_views(model: Decoder) -> dict[str, np.ndarray]:
     """
     if jax.process_count() > 1:
         raise ValueError("hf_tensor_views reads this process's parameters: use hf_tensors with several processes")
-    flat = dict(nnx.to_flat_state(nnx.state(model)))
-    views = {name: view for m in tensor_maps(model.config)
-             for name, view in zip(m.hf_names, m.save(np.asarray(flat[m.path][...])), strict=True)}
-    return {**views, **derived_tensors(model.config)}
+    return {**dict(_saved_tensors(model, np.asarray)), **derived_tensors(model.config)}
 
 
 def save_hf_checkpoint(model: Decoder, path: str) -> None:
