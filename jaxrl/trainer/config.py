@@ -122,6 +122,24 @@ class UpdateConfig:
             raise ValueError(f"update.spike_factor must be > 1 (or 0 to disable), got {self.spike_factor}")
 
 
+def _adamw_checks(section, warmup_key: str) -> list[tuple[str, bool, str]]:
+    """(key, holds, what the key must be) for the AdamW fields an optimizer section shares."""
+    return [("lr", section.lr > 0, "> 0"), (warmup_key, getattr(section, warmup_key) >= 0, ">= 0"),
+            ("min_lr_ratio", 0.0 <= section.min_lr_ratio <= 1.0, "in [0, 1]"),
+            ("b1", 0.0 <= section.b1 < 1.0, "in [0, 1)"),
+            ("b2", 0.0 <= section.b2 < 1.0, "in [0, 1)"),
+            # With eps = 0 a parameter whose gradient is exactly 0 (an unused token's embedding row)
+            # gets 0 / 0: every update would be non-finite and skipped.
+            ("eps", section.eps > 0, "> 0 (AdamW divides by sqrt(v) + eps)"),
+            ("weight_decay", section.weight_decay >= 0, ">= 0")]
+
+
+def _check_section(name: str, section, checks: list[tuple[str, bool, str]]) -> None:
+    for key, holds, expected in checks:
+        if not holds:
+            raise ValueError(f"{name}.{key}={getattr(section, key)!r} must be {expected}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW (optax) with linear warm-up, then cosine decay to ``lr * min_lr_ratio`` or constant,
@@ -138,11 +156,7 @@ class OptimizerConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self):
-        if not self.lr > 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(
-                f"optimizer: lr ({self.lr}) must be > 0, warmup_steps ({self.warmup_steps}) >= 0, "
-                f"min_lr_ratio ({self.min_lr_ratio}) in [0, 1]"
-            )
+        _check_section("optimizer", self, _adamw_checks(self, "warmup_steps"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,15 +183,9 @@ class CriticConfig:
     value_clip: float | None = 0.2
 
     def __post_init__(self):
-        checks = [("lr", self.lr > 0, "> 0"), ("lr_warmup_steps", self.lr_warmup_steps >= 0, ">= 0"),
-                  ("min_lr_ratio", 0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]"),
-                  ("b1", 0.0 <= self.b1 < 1.0, "in [0, 1)"), ("b2", 0.0 <= self.b2 < 1.0, "in [0, 1)"),
-                  ("eps", self.eps > 0, "> 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
-                  ("warmup_steps", self.warmup_steps >= 0, ">= 0 (RL steps of critic-only training)"),
-                  ("value_clip", self.value_clip is None or self.value_clip > 0, "> 0, or null for no clipping")]
-        for key, ok, expected in checks:
-            if not ok:
-                raise ValueError(f"critic.{key}={getattr(self, key)!r} must be {expected}")
+        _check_section("critic", self, _adamw_checks(self, "lr_warmup_steps") + [
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0 (RL steps of critic-only training)"),
+            ("value_clip", self.value_clip is None or self.value_clip > 0, "> 0, or null for no clipping")])
 
     def optimizer(self) -> "OptimizerConfig":
         """The critic's AdamW settings as an ``optimizer`` section (for ``build_optimizer``)."""

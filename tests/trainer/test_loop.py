@@ -208,6 +208,19 @@ def test_shipped_configs_load_and_errors_name_the_key():
         load_config(TrainConfig, demo, ["update.micro_batches=3"])
     with pytest.raises(ConfigError, match=r"output_dir must be a local folder .*'gs://b/run'.*checkpoint.directory"):
         load_config(TrainConfig, demo, ["output_dir=gs://b/run"])
+    # AdamW's fields: each bad value is refused at load, naming the key (eps = 0 and b1 = 1 were
+    # once accepted: 0/0 on a zero gradient, a division by 1 - b1^t = 0).
+    for override, message in [
+        ("optimizer.lr=0", r"optimizer.lr=0.0 must be > 0"),
+        ("optimizer.warmup_steps=-3", r"optimizer.warmup_steps=-3 must be >= 0"),
+        ("optimizer.min_lr_ratio=2", r"optimizer.min_lr_ratio=2.0 must be in \[0, 1\]"),
+        ("optimizer.b1=1", r"optimizer.b1=1.0 must be in \[0, 1\)"),
+        ("optimizer.b2=-0.1", r"optimizer.b2=-0.1 must be in \[0, 1\)"),
+        ("optimizer.eps=0", r"optimizer.eps=0.0 must be > 0 \(AdamW divides by sqrt\(v\) \+ eps\)"),
+        ("optimizer.weight_decay=-1", r"optimizer.weight_decay=-1.0 must be >= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=r"section optimizer \(OptimizerConfig\): " + message):
+            load_config(TrainConfig, demo, [override])
 
 
 def test_a_push_that_does_not_load_the_weights_is_caught(files, tmp_path):
