@@ -124,7 +124,8 @@ class UpdateConfig:
 
 def _adamw_checks(section, warmup_key: str) -> list[tuple[str, bool, str]]:
     """(key, holds, what the key must be) for the AdamW fields an optimizer section shares."""
-    return [("lr", section.lr > 0, "> 0"), (warmup_key, getattr(section, warmup_key) >= 0, ">= 0"),
+    return [("lr", section.lr > 0, "> 0"),
+            (warmup_key, getattr(section, warmup_key) >= 0, ">= 0"),
             ("min_lr_ratio", 0.0 <= section.min_lr_ratio <= 1.0, "in [0, 1]"),
             ("b1", 0.0 <= section.b1 < 1.0, "in [0, 1)"),
             ("b2", 0.0 <= section.b2 < 1.0, "in [0, 1)"),
