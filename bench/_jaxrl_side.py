@@ -10,7 +10,9 @@ DIR holds the shared inputs vs_tunix.py wrote: ``tokenizer/`` (a character token
 sample is exactly ``new_tokens`` long), ``prompts.jsonl`` and ``bench.json`` (shapes, step
 settings).
 
-What runs, as a user runs it: ``jaxrl.trainer.rl.RLTrainer`` built from a ``TrainConfig``
+What runs, as a user runs it: ``jaxrl.distributed.initialize()`` first, as ``jaxrl train`` runs it
+(one process; on CPU it keeps XLA's scratch buffers mapped between calls,
+``jaxrl.distributed.host_memory``), then ``jaxrl.trainer.rl.RLTrainer`` built from a ``TrainConfig``
 (``model.architecture``: a Qwen3-style decoder with random float32 weights; the embedded JAX
 sampler; GRPO advantages; PPO clip loss with ``objective.kl_kind=k3-as-loss`` to the frozen
 reference; one mini-batch, one micro-batch; AdamW after global-norm clipping;
@@ -117,6 +119,9 @@ def main() -> None:
     with open(os.path.join(args.workdir, "bench.json")) as f:
         spec = json.load(f)
     spec["workdir"] = args.workdir
+    from jaxrl import distributed
+
+    distributed.initialize()  # first, as every jaxrl command (jaxrl.distributed.host_memory: CPU scratch buffers)
     from importlib.metadata import version
 
     import jax

@@ -1,7 +1,7 @@
 """Several JAX processes as one program: start-up, checks, global batches, failures.
 
 Every public name is importable from here (``from jaxrl import distributed;
-distributed.initialize()``); the code lives in three modules:
+distributed.initialize()``); the code lives in four modules:
 
 - :mod:`jaxrl.distributed.startup`: joining the processes before any JAX
   device exists (:func:`initialize`, :func:`initialize_from_argv`,
@@ -14,7 +14,9 @@ distributed.initialize()``); the code lives in three modules:
   split over processes (:func:`process_share`, :func:`allgather_ragged`) and
   the process that logs (:func:`is_main_process`, :func:`main_process_only`);
 - :mod:`jaxrl.distributed.failure`: :func:`stop_all_on_failure`, which makes
-  an exception in one process stop every process with that process's error.
+  an exception in one process stop every process with that process's error;
+- :mod:`jaxrl.distributed.host_memory`: on CPU, XLA's scratch buffers stay
+  mapped between calls (``initialize`` and the trainers set it up).
 """
 
 from jaxrl.distributed.failure import stop_all_on_failure

@@ -36,6 +36,8 @@ from typing import Mapping, Sequence
 
 import jax
 
+from jaxrl.distributed import host_memory
+
 ENV_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
@@ -315,6 +317,7 @@ def initialize(config: DistributedConfig | None = None) -> ProcessInfo:
     within ``config.timeout_s`` (naming the address), RuntimeError when JAX
     devices already exist, ValueError for settings that contradict each other.
     """
+    host_memory.before_devices()  # XLA:CPU's scratch buffers stay mapped between calls (its docstring)
     config = config_from_env() if config is None else config
     config, method = _resolve(config)
     if method == "single" or config.num_processes == 1:

@@ -99,6 +99,7 @@ class RLTrainer:
                                       shuffle=data.shuffle, mixture=data.mixture, mixture_field=data.mixture_field)
         self.envs = EnvRouter(config.env, self.tokenizer) if config.env is not None else None
         self.mesh = make_mesh(config.mesh)
+        distributed.host_memory.keep_freed_memory(self.mesh)
         model = build_model(config.model, self.mesh)
         self.moe_layers = model.config.moe_layer_indices
         check_update_options(config.update, model, self.mesh)

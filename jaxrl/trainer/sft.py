@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
+from jaxrl.distributed import host_memory
 from jaxrl.losses.aggregation import aggregate_loss
 from jaxrl.models import make_mesh, save_hf_checkpoint
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
@@ -62,6 +63,7 @@ class SFTTrainer:
         self.too_long = int((lengths > config.sft.stages[-1].max_length).sum())
         self.lengths = lengths
         self.mesh = make_mesh(config.mesh)
+        host_memory.keep_freed_memory(self.mesh)
         model = build_model(config.model, self.mesh)
         self.total_steps = sum(s.steps for s in config.sft.stages)
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_steps)
