@@ -43,7 +43,11 @@ log = logging.getLogger(__name__)
 
 
 def _enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0" and platform.libc_ver()[0] == "glibc"
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: set it to 1 (the default: keep XLA:CPU's scratch buffers "
+                         "mapped) or 0 (off)")
+    return value == "1" and platform.libc_ver()[0] == "glibc"
 
 
 def before_devices() -> bool:

@@ -83,3 +83,11 @@ def test_the_environment_turns_it_off():
     chosen = _run("trainer", JAX_CPU_ENABLE_ASYNC_DISPATCH="true")
     assert chosen["asynchronous"]
     assert chosen["faults"] > 0.9 * chosen["pages"], chosen
+
+
+def test_a_bad_switch_value_names_the_variable(monkeypatch):
+    from jaxrl.distributed import host_memory
+
+    monkeypatch.setenv("JAXRL_CPU_KEEP_BUFFERS", "false")
+    with pytest.raises(ValueError, match=r"JAXRL_CPU_KEEP_BUFFERS='false': set it to 1 .* or 0 \(off\)"):
+        host_memory.before_devices()
