@@ -86,10 +86,21 @@ def _tool_dirs() -> set[str]:
     return {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("jaxrl-python-tool-")}
 
 
-def test_sandbox_runs_code_and_captures_output():
+@pytest.fixture
+def private_tempdir(tmp_path, monkeypatch):
+    """This test's own temporary root: the suite runs sandboxes in other workers at the same time,
+    and their folders in the shared /tmp were read as this sandbox's leftovers (seen in CI)."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_sandbox_runs_code_and_captures_output(private_tempdir):
     run = execute_python("import os, sys\nprint(6 * 7)\nprint('oops', file=sys.stderr)\nprint(os.getcwd())", LIMITS)
     assert run.exit_code == 0 and run.stdout.splitlines()[0] == "42" and run.stderr == "oops\n"
-    assert "jaxrl-python-tool-" in run.stdout and not os.path.exists(run.stdout.splitlines()[1])
+    workdir = run.stdout.splitlines()[1]
+    assert workdir.startswith(str(private_tempdir) + "/jaxrl-python-tool-") and not os.path.exists(workdir)
+    assert not _tool_dirs()
 
 
 @pytest.mark.parametrize("code, what", [
@@ -98,8 +109,7 @@ def test_sandbox_runs_code_and_captures_output():
     ("x = bytearray(8 * 1024 ** 3)", "memory"),
     ("chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 20))", "memory"),
 ], ids=["cpu-loop", "sleep-with-child", "one-huge-allocation", "growing-allocations"])
-def test_sandbox_kills_runaways_and_leaves_nothing_behind(code, what):
-    before = _tool_dirs()
+def test_sandbox_kills_runaways_and_leaves_nothing_behind(code, what, private_tempdir):
     start = time.perf_counter()
     run = execute_python(code, LIMITS)
     elapsed = time.perf_counter() - start
@@ -115,7 +125,7 @@ def test_sandbox_kills_runaways_and_leaves_nothing_behind(code, what):
     else:
         assert "MemoryError" in run.stderr and not run.timed_out
     assert not _group_alive(run.pid), "a process of the sandbox's group is still running"
-    assert _tool_dirs() <= before, "the sandbox's temporary directory was not removed"
+    assert not _tool_dirs(), "the sandbox's temporary directory was not removed"
 
 
 def test_output_flood_is_cut_with_a_marker():
