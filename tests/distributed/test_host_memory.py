@@ -5,7 +5,10 @@ Each case runs in a fresh process (the CPU client reads its dispatch setting onc
 config (the trainer applies the heap setting once its mesh is on CPU), then a program whose
 temporary buffer is larger than any block glibc keeps by default (> 64 MiB, read from
 ``memory_analysis``). The expected fault counts come from that size: one minor fault per 4 KiB page
-when the buffer is mapped afresh at every call, almost none when it is reused.
+when the buffer is mapped afresh at every call, almost none when it is reused. The median call
+counts: under load a call may once grow the heap by the whole buffer (seen in a full suite run:
+20,484 faults over 5 calls, one whole buffer; presumably another thread's allocation had taken
+part of the freed block), after which the new block is kept as well.
 """
 
 import json
@@ -43,11 +46,13 @@ x, y = jnp.linspace(0, 1, 4096), jnp.linspace(0, 1, 5120)
 temp = scratch.lower(x, y).compile().memory_analysis().temp_size_in_bytes
 for _ in range(3):
     scratch(x, y).block_until_ready()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+faults = []
+for _ in range(7):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     scratch(x, y).block_until_ready()
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
-print(json.dumps({"asynchronous": jax.config.read("jax_cpu_enable_async_dispatch"), "temp": temp, "faults": faults}))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"asynchronous": jax.config.read("jax_cpu_enable_async_dispatch"), "temp": temp,
+                  "faults": sorted(faults)[len(faults) // 2], "per_call": faults}))
 """
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
