@@ -13,9 +13,10 @@ settings).
 What runs, as a user runs it: ``jaxrl.distributed.initialize()`` first, as ``jaxrl train`` runs it
 (one process; on CPU it keeps XLA's scratch buffers mapped between calls,
 ``jaxrl.distributed.host_memory``), then ``jaxrl.trainer.rl.RLTrainer`` built from a ``TrainConfig``
-(``model.architecture``: a Qwen3-style decoder with random float32 weights; the embedded JAX
-sampler; GRPO advantages; PPO clip loss with ``objective.kl_kind=k3-as-loss`` to the frozen
-reference; one mini-batch, one micro-batch; AdamW after global-norm clipping;
+(``model.architecture``: a Qwen3-style decoder with random float32 weights, computing in the
+spec's ``dtype``; the embedded JAX sampler; GRPO advantages; PPO clip loss with
+``objective.kl_kind=k3-as-loss`` to the frozen reference; one mini-batch, one micro-batch;
+AdamW after global-norm clipping;
 ``rollout.verify_push`` on), one ``train_step_once()`` per step, on one CPU device. The reward is
 a ``kind: python`` function (this module's ``reward_fraction``), run by jaxrl's reward worker.
 ``--recompute`` sets ``update.recompute_old_logp``: ``when_needed`` (the default here) skips the
@@ -72,7 +73,7 @@ def config_dict(spec: dict, shape: dict, out: str, recompute: str, layout: str =
     architecture["max_position_embeddings"] = spec["prompt_tokens"] + spec["new_tokens"]
     return {
         "output_dir": out, "steps": 10**6, "seed": spec["seed"],
-        "model": {"architecture": architecture, "init_seed": spec["seed"], "dtype": "float32",
+        "model": {"architecture": architecture, "init_seed": spec["seed"], "dtype": spec.get("dtype", "float32"),
                   "param_dtype": "float32"},
         "data": {"tokenizer": os.path.join(spec["workdir"], "tokenizer"),
                  "train_files": [os.path.join(spec["workdir"], "prompts.jsonl")], "use_chat_template": False,
@@ -81,7 +82,9 @@ def config_dict(spec: dict, shape: dict, out: str, recompute: str, layout: str =
                    "tasks": {"t": {"kind": "python", "function": "_jaxrl_side:reward_fraction"}}},
         "rollout": {"engine": "embedded", "prompts_per_step": spec["prompts_per_step"],
                     "group_size": spec["group_size"], "max_new_tokens": spec["new_tokens"],
-                    "temperature": spec["temperature"], "verify_push": True},
+                    "temperature": spec["temperature"], "verify_push": True,
+                    # bfloat16 decoding vs the learner's forward differ by more than float32's 1e-3 nats.
+                    "push_tolerance": 1e-3 if spec.get("dtype", "float32") == "float32" else 0.5},
         "advantage": {"estimator": "grpo"},
         "objective": {"policy_loss": "ppo", "eps_low": spec["clip_eps"], "eps_high": spec["clip_eps"],
                       "aggregation": "seq-mean-token-mean", "kl_kind": "k3-as-loss", "kl_coef": spec["kl_coef"],

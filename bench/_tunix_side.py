@@ -11,9 +11,10 @@ sample is exactly ``new_tokens`` long) and ``bench.json`` (shapes, prompts, step
 What runs, as a Tunix user runs it: ``GRPOLearner.train`` over an ``RLCluster`` on one CPU
 device (actor, reference and rollout on the same 1x1 mesh, so the rollout shares the actor's
 weights and no weight sync runs), ``rollout_engine="vanilla"`` (``tunix.generate.sampler.Sampler``),
-a ``tunix.models.qwen3`` decoder with random float32 weights, the reference a second model with
-the same initial weights; GRPO with ``num_generations`` samples per prompt, one iteration, one
-mini-batch, ``beta`` with ``kl_loss_mode="low_var_kl"`` (k3), AdamW after global-norm clipping.
+a ``tunix.models.qwen3`` decoder with random float32 weights (computing in the spec's ``dtype``),
+the reference a second model with the same initial weights; GRPO with ``num_generations``
+samples per prompt, one iteration, one mini-batch, ``beta`` with ``kl_loss_mode="low_var_kl"``
+(k3), AdamW after global-norm clipping.
 
 Timed figures, per step (``time.perf_counter``; warm-up steps, which compile, are not reported):
 - ``step``: from the moment the training-data iterator hands out step i's prompts to the moment
@@ -59,6 +60,7 @@ def reward_fraction(target: str):
 
 def build(spec: dict, shape: dict):
     import jax
+    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
@@ -73,7 +75,7 @@ def build(spec: dict, shape: dict):
         num_layers=shape["num_layers"], vocab_size=shape["vocab_size"], embed_dim=shape["hidden_size"],
         hidden_dim=shape["intermediate_size"], num_heads=shape["num_heads"], head_dim=shape["head_dim"],
         num_kv_heads=shape["num_kv_heads"], rope_theta=int(shape["rope_theta"]), norm_eps=shape["rms_norm_eps"],
-        use_tied_embedding=shape["tie_word_embeddings"], dtype=np.float32, param_dtype=np.float32,
+        use_tied_embedding=shape["tie_word_embeddings"], dtype=jnp.dtype(spec["dtype"]), param_dtype=np.float32,
     )
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)

@@ -77,7 +77,7 @@ def main() -> None:
     from jaxrl.rollout.sglang.testing import write_random_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="async_speedup-") as workdir:
-        spec = write_inputs(workdir)
+        spec = write_inputs(workdir, "float32")
         spec.update(workdir=workdir, prompts_per_step=args.prompts)
         shape = SHAPES["large"]
         model_path = os.path.join(workdir, "init_hf")

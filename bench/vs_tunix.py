@@ -1,7 +1,7 @@
 """jaxrl vs Google Tunix 0.1.7: one GRPO step, side by side, on the same work (CPU, float32).
 
     .venv/bin/python bench/vs_tunix.py [--quick] [--json PATH] [--rounds N] [--steps K] [--recompute always]
-        [--layout rows]
+        [--layout rows] [--shapes small,large] [--dtype float32|bfloat16] [--device cpu|gpu] [--python PATH]
 
 It runs scripts/setup_tunix.sh first (a no-op when .venv-tunix is current), writes the shared
 inputs to a temporary folder (a character tokenizer, the prompts, the settings), then starts one
@@ -22,6 +22,13 @@ temperature 1; GRPO advantages, PPO clip 0.2, k3 KL to the frozen initial weight
 coefficient 0.04, sequence-mean-token-mean aggregation, one mini-batch, one epoch; AdamW (lr
 1e-5) after global-norm clipping at 1; the reward: the fraction of the response's characters
 equal to one fixed character. One CPU device (``JAX_PLATFORMS=cpu``).
+
+On an accelerator (bench/gpu_checks.sh): ``--device gpu`` runs both sides on the first CUDA device
+(each process's share of its memory is capped so that all fit), ``--dtype bfloat16`` computes in
+bfloat16 over float32 parameters on both sides (jaxrl's ``rollout.push_tolerance`` raised to
+bfloat16's residual), ``--shapes 0.6b`` is Qwen3-0.6B's blocks (28 layers x hidden 1024, 16 heads
+of 128, 8 kv heads, intermediate 3072; 0.44B parameters with the 512-id vocabulary), and
+``--python`` names one interpreter that holds both stacks (it skips scripts/setup_tunix.sh).
 
 Prints a table per shape (medians in seconds, Tunix/jaxrl ratios: > 1 means jaxrl is faster),
 the versions on each side, the total runtime, and ends with the four TARGET lines.
@@ -47,14 +54,17 @@ COMMON = {"vocab_size": VOCAB, "num_heads": 4, "num_kv_heads": 2, "rope_theta": 
 SHAPES = {
     "small": {**COMMON, "num_layers": 2, "hidden_size": 128, "head_dim": 32, "intermediate_size": 512},
     "large": {**COMMON, "num_layers": 4, "hidden_size": 256, "head_dim": 64, "intermediate_size": 1024},
+    "0.6b": {**COMMON, "num_layers": 28, "hidden_size": 1024, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
+             "intermediate_size": 3072},
 }
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda"}  # --device -> JAX_PLATFORMS
 SETTINGS = {"prompts_per_step": 4, "group_size": 4, "prompt_tokens": 16, "new_tokens": 32, "seed": 0,
             "lr": 1e-5, "clip_norm": 1.0, "kl_coef": 0.04, "clip_eps": 0.2, "temperature": 1.0}
 GOALS = {"whole_step": ("step", 1.5), "generation": ("generation", 1.2)}
 READ_TIMEOUT_S = 900
 
 
-def write_inputs(workdir: str) -> dict:
+def write_inputs(workdir: str, dtype: str) -> dict:
     """The shared tokenizer (``<pad>`` 0, ``<unk>`` 1, 510 characters, ``<eos>`` = VOCAB), prompts, settings."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
@@ -71,7 +81,7 @@ def write_inputs(workdir: str) -> dict:
     prompts = ["".join(rng.choice(chars[1:]) for _ in range(SETTINGS["prompt_tokens"])) for _ in range(64)]
     if any(len(fast.encode(p)) != SETTINGS["prompt_tokens"] for p in prompts):
         raise RuntimeError(f"the shared tokenizer does not make {SETTINGS['prompt_tokens']}-token prompts")
-    spec = {**SETTINGS, "shapes": SHAPES, "prompts": prompts, "reward_char": chars[0]}
+    spec = {**SETTINGS, "dtype": dtype, "shapes": SHAPES, "prompts": prompts, "reward_char": chars[0]}
     with open(os.path.join(workdir, "prompts.jsonl"), "w") as f:
         for p in prompts:
             f.write(json.dumps({"prompt": p, "target": spec["reward_char"]}) + "\n")
@@ -83,14 +93,16 @@ def write_inputs(workdir: str) -> dict:
 class Side:
     """One persistent benchmark process (a stack and a shape)."""
 
-    def __init__(self, stack: str, shape: str, workdir: str, warmup: int, recompute: str, layout: str):
+    def __init__(self, stack: str, shape: str, workdir: str, warmup: int, recompute: str, layout: str, *,
+                 python: str | None, device: str, memory_share: float):
         self.stack, self.shape = stack, shape
-        python = os.path.join(ROOT, ".venv" if stack == "jaxrl" else ".venv-tunix", "bin", "python")
+        python = python or os.path.join(ROOT, ".venv" if stack == "jaxrl" else ".venv-tunix", "bin", "python")
         cmd = [python, os.path.join(ROOT, "bench", f"_{stack}_side.py"), "--workdir", workdir, "--shape", shape,
                "--warmup", str(warmup)] + (["--recompute", recompute, "--layout", layout] if stack == "jaxrl" else [])
         self.log_path = os.path.join(workdir, f"{stack}-{shape}.log")
         self.log = open(self.log_path, "w")
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env = {**os.environ, "JAX_PLATFORMS": PLATFORMS[device], "TF_CPP_MIN_LOG_LEVEL": "2",
+               "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{memory_share:.2f}"}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, cwd=ROOT, env=env)
         self.info: dict = {}
@@ -132,7 +144,7 @@ def report(shape: str, jaxrl: Side, tunix: Side, spec: dict) -> dict:
     s = SHAPES[shape]
     print(f"\n== {shape}: {s['num_layers']} layers, hidden {s['hidden_size']}, {s['num_heads']} heads "
           f"({s['num_kv_heads']} kv) x {s['head_dim']}, intermediate {s['intermediate_size']}, vocab {s['vocab_size']};"
-          f" params jaxrl {jaxrl.info['params']:,} / tunix {tunix.info['params']:,}")
+          f" params jaxrl {jaxrl.info['params']:,} / tunix {tunix.info['params']:,}; {spec['dtype']} compute")
     print(f"   {len(jaxrl.steps)} / {len(tunix.steps)} timed steps (after {len(jaxrl.info['warmup'])} / "
           f"{len(tunix.info['warmup'])} warm-up steps); median seconds per step")
     rows = [("whole step", "step", "step"), ("generation (rollout)", "generation", "generation"),
@@ -173,6 +185,10 @@ def main() -> None:
     parser.add_argument("--layout", choices=("shared", "rows"), default="shared",
                         help="jaxrl's learner rows: shared = update.pack + update.share_prefix (each group's prompt "
                              "laid out once); rows = one sample per row, as Tunix")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="both sides' compute dtype (parameters stay float32)")
+    parser.add_argument("--device", choices=sorted(PLATFORMS), default="cpu")
+    parser.add_argument("--python", help="one interpreter with both stacks installed, instead of .venv and .venv-tunix")
     parser.add_argument("--json", help="write every figure to this JSON file")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 8)
@@ -180,10 +196,16 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     shapes = args.shapes.split(",")
     start = time.perf_counter()
-    subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_tunix.sh")], check=True)
+    if unknown := [s for s in shapes if s not in SHAPES]:
+        parser.error(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
+    if args.python is None:
+        subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_tunix.sh")], check=True)
     with tempfile.TemporaryDirectory(prefix="vs_tunix-") as workdir:
-        spec = write_inputs(workdir)
-        sides = {(stack, shape): Side(stack, shape, workdir, warmup, args.recompute, args.layout)
+        spec = write_inputs(workdir, args.dtype)
+        # All processes live at once: on a GPU each gets an equal share of its memory (JAX takes 75% by default).
+        share = 0.9 / (2 * len(shapes))
+        sides = {(stack, shape): Side(stack, shape, workdir, warmup, args.recompute, args.layout, python=args.python,
+                                      device=args.device, memory_share=share)
                  for shape in shapes for stack in ("jaxrl", "tunix")}
         try:
             for side in sides.values():
