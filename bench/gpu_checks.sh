@@ -36,11 +36,11 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 status=0
 if [ "${1:-all}" != mfu ]; then
-  timeout 330 python3 bench/vs_tunix.py --python python3 --device gpu --dtype bfloat16 --shapes 0.6b --quick \
+  timeout 300 python3 bench/vs_tunix.py --python python3 --device gpu --dtype bfloat16 --shapes 0.6b --quick \
     --json "$OUT/vs_tunix.json" 2>&1 | tee "$OUT/vs_tunix.log" || status=1
 fi
 if [ "${1:-all}" != tunix ]; then
-  timeout 240 python3 bench/learner_mfu.py --preset 1b --warmup 2 --steps 3 2>&1 | tee "$OUT/learner_mfu.log" \
+  timeout 270 python3 bench/learner_mfu.py --preset 1b --warmup 2 --steps 2 2>&1 | tee "$OUT/learner_mfu.log" \
     || status=1
 fi
 exit $status
