@@ -13,11 +13,15 @@ exactly 1,024 tokens (65,536 tokens: the tokenizer's ``<eos>`` id is the model's
 sample stops early). ``--preset tiny`` is the same program on a 2-layer model, to check the
 bench runs anywhere (its MFU says nothing).
 
-MFU (PaLM, Chowdhery et al. 2022, appendix B, with causal attention counted as computed): model
+MFU (PaLM, Chowdhery et al. 2022, appendix B, causal attention at its useful half): model
 FLOPs per update = tokens x (6 N + 6 L H d_h T), N the matmul parameters (the blocks' projections
 and the LM head; the embedding lookup is no matmul), L layers, H query heads of width d_h, T the
-row length (causal attention: half of PaLM's 12 L H d_h T); forward and backward of the
-policy loss only, over ``time/update`` (the jitted train step until its metrics are on the host).
+row length (half of PaLM's 12 L H d_h T: the masked pairs the diagonal blocks of the chunked
+attention also compute are not useful work). Checked against XLA: with full logits and dense
+attention (every pair computed), ``cost_analysis()`` of a 2-layer model's forward + backward at
+T = 512 counts 1.01x the formula with PaLM's full 12 L H d_h T (the rest is elementwise work).
+Forward and backward of the policy loss only, over ``time/update`` (the jitted train step until
+its metrics are on the host).
 The learner's ``old_logp`` recompute is skipped (``update.recompute_old_logp: when_needed``, one
 on-policy mini-batch from the embedded sampler) and there is no reference model (no KL), so the
 update is the learner's whole compute. Peaks, both printed: the chip's dense bfloat16 figure from
