@@ -44,7 +44,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GOAL = 0.5
-PUSH_TOLERANCE = 0.5  # nats; the float32 default (1e-3) is below bfloat16's engine/learner residual
 PRESETS = {
     "1b": {"model": {"num_layers": 16, "hidden_size": 2048, "intermediate_size": 8192, "num_heads": 16,
                      "num_kv_heads": 8, "head_dim": 128, "vocab_size": 151_936},
@@ -57,15 +56,7 @@ PRESETS = {
 DATASHEET_PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12,
                    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
                    "TPU v6 lite": 918e12, "TPU v6e": 918e12}
-
-
-def reward_sevens(prompt, response, response_ids, row):
-    """A reward with spread inside each group (so GRPO's advantages are not all zero): the share of
-    the response's words that contain a 7."""
-    from jaxrl.reward import RewardResult
-
-    words = response.split()
-    return RewardResult(score=sum("7" in w for w in words) / max(len(words), 1))
+REWARD_CHAR = "7"  # _jaxrl_side.reward_fraction: the share of "7"s in the response's words varies within a group
 
 
 def write_inputs(workdir: str, preset: dict) -> None:
@@ -85,35 +76,27 @@ def write_inputs(workdir: str, preset: dict) -> None:
     with open(os.path.join(workdir, "prompts.jsonl"), "w") as f:
         for _ in range(4 * preset["prompts_per_step"]):
             words = " ".join(f"w{rng.randrange(2, vocab_size)}" for _ in range(preset["prompt_tokens"]))
-            f.write(json.dumps({"prompt": words}) + "\n")
+            f.write(json.dumps({"prompt": words, "target": REWARD_CHAR}) + "\n")
 
 
 def make_config(workdir: str, preset: dict, args):
+    """bench/vs_tunix.py's jaxrl run (``_jaxrl_side.config_dict``: GRPO, PPO clip, AdamW, the push
+    check with bfloat16's tolerance) on this preset, with no KL term (so no reference model), one
+    sample per row, and this script's micro-batches and remat."""
+    from _jaxrl_side import config_dict
+
     from jaxrl.config import from_dict
     from jaxrl.trainer.config import TrainConfig
 
-    architecture = {**preset["model"], "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "max_position_embeddings": preset["prompt_tokens"] + preset["new_tokens"]}
-    return from_dict(TrainConfig, {
-        "output_dir": os.path.join(workdir, "run"), "steps": 10**6, "seed": 0,
-        "model": {"architecture": architecture, "init_seed": 0, "dtype": "bfloat16", "param_dtype": "float32",
-                  "remat": args.remat},
-        "data": {"tokenizer": os.path.join(workdir, "tokenizer"),
-                 "train_files": [os.path.join(workdir, "prompts.jsonl")], "use_chat_template": False,
-                 "max_prompt_tokens": preset["prompt_tokens"], "shuffle": False},
-        "reward": {"default_task": "t", "task_field": "none",
-                   "tasks": {"t": {"kind": "python", "function": "learner_mfu:reward_sevens"}}},
-        "rollout": {"engine": "embedded", "prompts_per_step": preset["prompts_per_step"],
-                    "group_size": preset["group_size"], "max_new_tokens": preset["new_tokens"], "temperature": 1.0,
-                    # bfloat16 decoding with a KV cache vs the update's full forward: about 1e-3 nats on the
-                    # tiny model here, more on deep ones; the check still catches an engine on other weights.
-                    "push_tolerance": PUSH_TOLERANCE},
-        "advantage": {"estimator": "grpo"},
-        "objective": {"policy_loss": "ppo", "kl_coef": 0.0},
-        "update": {"mini_batches": 1, "micro_batches": args.micro_batches, "recompute_old_logp": "when_needed"},
-        "optimizer": {"lr": 1e-6, "clip_norm": 1.0},
-        "logging": {"progress": False, "tensorboard": False, "plots": False},
-    })
+    keys = ("prompts_per_step", "group_size", "prompt_tokens", "new_tokens")
+    spec = {**{k: preset[k] for k in keys}, "workdir": workdir, "dtype": "bfloat16", "seed": 0, "temperature": 1.0,
+            "clip_eps": 0.2, "kl_coef": 0.0, "lr": 1e-6, "clip_norm": 1.0}
+    shape = {**preset["model"], "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    data = config_dict(spec, shape, os.path.join(workdir, "run"), "when_needed", layout="rows")
+    data["objective"]["kl_kind"] = "none"
+    data["update"]["micro_batches"] = args.micro_batches
+    data["model"]["remat"] = args.remat
+    return from_dict(TrainConfig, data)
 
 
 def model_flops_per_token(model: dict, length: int) -> float:
