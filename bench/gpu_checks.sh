@@ -10,19 +10,18 @@
 #   bash bench/gpu_checks.sh [tunix|mfu]              # there, with .whl carried; logs to $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# jaxrl's pins (requirements.txt) and Tunix's (bench/requirements-tunix.txt) that the image lacks or
-# holds in another version; JAX stays the image's CUDA build.
-WHEELS=(flax==0.12.8 optax==0.2.8 grain==0.2.18 array_record==0.8.6 portpicker==1.6.0 google-tunix==0.1.7
-  annotated-types==0.8.0 clu==0.0.12 datasets==5.2.0 dill==0.4.1 dm-tree==0.1.10 docstring_parser==0.18.0
-  google_metrax==0.2.4 googleapis-common-protos==1.76.0 hf_transfer==0.1.9 immutabledict==4.3.1
-  importlib_resources==7.1.0 kagglehub==1.0.3 kagglesdk==0.1.38 ml_collections==1.1.0 multiprocess==0.70.19
-  omegaconf==2.4.0 perfetto==0.59.1 pydantic==2.14.4 pydantic_core==2.50.5 pylatexenc==2.11
-  python-dotenv==1.2.4 qwix==0.1.8 simple-parsing==0.1.9 tenacity==9.2.1 tensorboardX==2.6.5
-  tensorflow-datasets==4.9.10 tensorflow-metadata==1.21.0 termcolor==3.3.0 toml==0.10.2
-  typing-inspection==0.4.5 tzdata==2026.6)
+# The packages the image lacks or holds in another version (JAX stays the image's CUDA build), at
+# the versions pinned in jaxrl's requirements.txt or, for Tunix's, bench/requirements-tunix.txt.
+PACKAGES=(flax optax grain array_record portpicker google-tunix annotated-types clu datasets dill dm-tree
+  docstring_parser google_metrax googleapis-common-protos hf_transfer immutabledict importlib_resources
+  kagglehub kagglesdk ml_collections multiprocess omegaconf perfetto pydantic pydantic_core pylatexenc
+  python-dotenv qwix simple-parsing tenacity tensorboardX tensorflow-datasets tensorflow-metadata termcolor
+  toml typing-inspection tzdata)
 if [ "${1:-}" = "--fetch" ]; then
   grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
-  for wheel in "${WHEELS[@]}"; do
+  for name in "${PACKAGES[@]}"; do
+    wheel=$(grep -hix "${name}==[^ ]*" requirements.txt bench/requirements-tunix.txt | head -1)
+    [ -n "$wheel" ] || { echo "gpu_checks: $name is pinned in neither requirements.txt nor bench/requirements-tunix.txt" >&2; exit 1; }
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d .whl "$wheel"
