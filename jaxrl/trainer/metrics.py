@@ -94,7 +94,8 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         if self._bar is not None:
-            self._bar.update(1)
+            # The bar shows the step reached: the held-out evaluation logged at step 0 is no step.
+            self._bar.update(max(int(step) - self._bar.n, 0))
             self._bar.set_postfix({label: f"{row[k]:.3g}" for label, k in _BAR_KEYS.items() if row.get(k) is not None})
         return row
 

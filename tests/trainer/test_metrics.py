@@ -38,3 +38,21 @@ def test_plots_and_entropy_law_ceiling(tmp_path):
         assert os.path.getsize(path) > 1000
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_bar_shows_the_step_reached(tmp_path, capsys):
+    """Before: the bar advanced once per logged row, so the held-out evaluation logged at step 0
+    made a 200-step demo end at "201it" past its total."""
+    logger = MetricsLogger(str(tmp_path), total_steps=3, progress=True, tensorboard=False)
+    logger.log(0, {"heldout/reward": 0.5})
+    assert logger._bar.n == 0
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": 0.1})
+    assert logger._bar.n == 3
+    logger.close()
+    assert "3/3" in capsys.readouterr().err
+    # A resumed run's bar starts at the step it resumes from and ends at the total.
+    logger = MetricsLogger(str(tmp_path), total_steps=3, start_step=2, progress=True, tensorboard=False)
+    logger.log(3, {"reward/mean": 0.2})
+    assert logger._bar.n == 3
+    logger.close()
