@@ -1,6 +1,6 @@
 """Weight push to a real SGLang server, from disk and through shared memory, vs a plain safetensors write.
 
-    .venv/bin/python bench/sglang_push.py [--layers 8 --hidden 768 --vocab 32000 --pushes 3]
+    .venv/bin/python bench/sglang_push.py [--layers 8 --hidden 768 --vocab 32000 --pushes 6 --chunk-mib 128]
 
 Starts one CPU SGLang server (float32) on a random ~100M-parameter Qwen3
 ``jaxrl.models.Decoder``, then for each push of new weights runs, side by side, a plain
@@ -9,7 +9,9 @@ Starts one CPU SGLang server (float32) on a random ~100M-parameter Qwen3
 /update_weights_from_disk, verify = version + probe logprob check) and its ``method:
 tensor`` push (export = the HF tensors, views of the parameters, copied into shared
 buffers, load = /update_weights_from_tensor through shared memory, the same verify; with one
-JAX process the learner's probe recompute runs during the load). The first push of each
+JAX process the learner's probe recompute runs during the load), both in chunks of
+``--chunk-mib`` (``tensor``: the server loads a chunk while the next is copied, so export_s
+ends with the last copy and load_s is what is left) and in one chunk (``whole``). The first push of each
 method warms up (compiles the probe's recompute, faults in the shared buffers) and is not
 counted. Prints each phase and each push total over the plain write, then the TARGET line on
 the in-memory push's median ratio. Needs scripts/setup_sglang_cpu.sh.
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--pushes", type=int, default=6, help="timed pushes per method (after one warm-up push)")
     parser.add_argument("--port", type=int, default=31900)
+    parser.add_argument("--chunk-mib", type=float, default=PushConfig.chunk_mib, help="the tensor push's chunks")
     parser.add_argument("--memory-dir", default="/dev/shm", help="a memory-only file system for the floor write")
     args = parser.parse_args()
     config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
@@ -65,11 +68,14 @@ def main() -> None:
                                              max_total_tokens=2048, log_dir=os.path.join(tmp, "logs"))).start()
         print(f"server start-up: {time.perf_counter() - start:.1f} s")
         engines = {"disk": SGLangEngine(manager, push=PushConfig(checkpoint_dir=os.path.join(tmp, "pushed"))),
-                   "tensor": SGLangEngine(manager, push=PushConfig(method="tensor"))}
+                   "tensor": SGLangEngine(manager, push=PushConfig(method="tensor", chunk_mib=args.chunk_mib)),
+                   "whole": SGLangEngine(manager, push=PushConfig(method="tensor", chunk_mib=2.0**20))}
         print(f"{'push':>5} {'method':>7} {'export_s':>9} {'load_s':>8} {'verify_s':>9} {'total_s':>8} "
               f"{'plain_write_s':>14} {'memory_write_s':>15} {'total/plain':>12} {'probe_diff':>11}")
         ratios = {name: [] for name in engines}
         floor_ratios, plain_writes = [], []
+        totals = {name: [] for name in engines}
+        chunks = 0
         try:
             for k in range(-1, args.pushes):
                 pushed = random_decoder(config, seed=k + 2, matrix_scale=1.0)
@@ -85,10 +91,13 @@ def main() -> None:
                 os.remove(in_memory)
                 del tensors
                 plain_writes += [plain] if k >= 0 else []
-                order = ("disk", "tensor") if k % 2 == 0 else ("tensor", "disk")
+                names = list(engines)
+                order = names[k % len(names):] + names[:k % len(names)]  # each method first in turn
                 for name in order:
                     m = engines[name].update_weights(pushed, f"bench-{k + 1}-{name}")
                     ratios[name] += [m["push/total_s"] / plain] if k >= 0 else []
+                    totals[name] += [m["push/total_s"]] if k >= 0 else []
+                    chunks = m["push/chunks"] if name == "tensor" else chunks
                     floor_ratios += [m["push/total_s"] / memory_write] if k >= 0 and name == "tensor" else []
                     print(f"{'warm' if k < 0 else k:>5} {name:>7} {m['push/export_s']:>9.3f} {m['push/load_s']:>8.3f} "
                           f"{m['push/verify_s']:>9.3f} {m['push/total_s']:>8.3f} {plain:>14.3f} {memory_write:>15.3f} "
@@ -98,8 +107,11 @@ def main() -> None:
                 engine.close()
             manager.stop()
     medians = {name: float(np.median(r)) for name, r in ratios.items()}
-    print(f"median push total / plain write: disk {medians['disk']:.2f}x, tensor {medians['tensor']:.2f}x "
+    print(f"median push total / plain write: disk {medians['disk']:.2f}x, tensor {medians['tensor']:.2f}x, "
+          f"tensor in one chunk {medians['whole']:.2f}x "
           f"(plain write {min(plain_writes):.2f}-{max(plain_writes):.2f} s)")
+    print(f"median push total: tensor {np.median(totals['tensor']):.3f} s in {chunks} chunks of >= {args.chunk_mib:g} "
+          f"MiB, {np.median(totals['whole']):.3f} s in one chunk")
     print(f"median tensor push total / the same write into {args.memory_dir} (no disk): "
           f"{float(np.median(floor_ratios)):.2f}x")
     print(f"TARGET in_memory_push: {medians['tensor']:.2f}x a plain safetensors write (goal <= {GOAL}x) "

@@ -104,10 +104,22 @@ def test_unknown_and_missing_tensors_are_named(tmp_path):
                          ids=["qwen3-tied", "qwen3-moe-bf16"])
 def test_in_memory_push_hands_over_the_checkpoint_tensors(tmp_path, hf_config, dtype):
     """The in-memory SGLang push copies host views of the parameters (``hf_tensor_views``, mostly
-    transposed) straight into its shared buffers: what a server reads back is transformers' own
-    saved tensors, bit for bit, in either dtype."""
+    transposed) straight into its shared buffers and hands them over in chunks: what a server
+    reads back from all chunks is transformers' own saved tensors, bit for bit, in either dtype,
+    each once; every chunk but the last holds at least the chunk size, and only the last says so."""
     from jaxrl.models.hf import hf_tensor_views
     from jaxrl.rollout.sglang.tensors import SharedTensors, read_payload
+
+    chunk_bytes = 6000
+
+    def handed(views):
+        chunks = [(read_payload(payload), last) for payload, last in shared.chunks(views, chunk_bytes)]
+        assert [last for _, last in chunks] == [False] * (len(chunks) - 1) + [True]
+        sizes = [sum(t.nbytes for t in tensors.values()) for tensors, _ in chunks]
+        assert len(chunks) > 2 and min(sizes[:-1]) >= chunk_bytes, sizes
+        merged = {name: t for tensors, _ in chunks for name, t in tensors.items()}
+        assert len(merged) == sum(len(tensors) for tensors, _ in chunks)  # each tensor once
+        return merged
 
     random_model(hf_config, seed=4).to(dtype).save_pretrained(tmp_path)
     original = read_tensors(tmp_path)
@@ -115,8 +127,8 @@ def test_in_memory_push_hands_over_the_checkpoint_tensors(tmp_path, hf_config, d
         original.pop("lm_head.weight", None)  # we do not write the tied copy
     shared = SharedTensors()
     model = load_hf_checkpoint(str(tmp_path))
-    assert_same_tensors(read_payload(shared.payload(hf_tensor_views(model))), original)
+    assert_same_tensors(handed(hf_tensor_views(model)), original)
     # The buffers are rewritten in place by the next push: another model's tensors replace these.
     random_model(hf_config, seed=5).to(dtype).save_pretrained(tmp_path / "other")
-    assert_same_tensors(read_payload(shared.payload(hf_tensor_views(load_hf_checkpoint(str(tmp_path / "other"))))),
+    assert_same_tensors(handed(hf_tensor_views(load_hf_checkpoint(str(tmp_path / "other")))),
                         {k: v for k, v in read_tensors(tmp_path / "other").items() if k in original})

@@ -92,6 +92,8 @@ def test_server_config_validation_names_the_field():
         ClientConfig(max_tries=0)
     with pytest.raises(ValueError, match="PushConfig.probe_ids"):
         PushConfig(probe_ids=(3,))
+    with pytest.raises(ValueError, match="PushConfig.chunk_mib: got 0"):
+        PushConfig(method="tensor", chunk_mib=0)
 
 
 def test_server_command_and_environment_follow_the_cpu_recipe():

@@ -29,7 +29,8 @@ def test_rl_steps_with_sglang_engine_synchronous_asynchronous_and_in_memory(tmp_
     (a lag of 0, 1, 1 updates), each push passes the probe check, and the first batch (sampled
     with the learner's own weights) matches its recompute. The in-memory run writes no
     checkpoint, and the server serves each update it hands over: every batch matches the
-    learner's recompute."""
+    learner's recompute. Its ``chunk_mib`` is below the smallest tensor, so each push sends
+    every tensor of the checkpoint in a request of its own."""
     import socket
 
     import jax
@@ -54,7 +55,9 @@ def test_rl_steps_with_sglang_engine_synchronous_asynchronous_and_in_memory(tmp_
     server = {"model_path": model_path, "base_port": port, "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 300}
     push = {"checkpoint_dir": str(tmp_path / "pushed"), "probe_ids": [1, 5, 9, 3, 12]}
 
-    in_memory_push = {**push, "method": "tensor", "checkpoint_dir": str(tmp_path / "never-written")}
+    # 1e-5 MiB = 10 bytes, below the smallest tensor (a norm of head_dim = 8 floats).
+    in_memory_push = {**push, "method": "tensor", "checkpoint_dir": str(tmp_path / "never-written"),
+                      "chunk_mib": 1e-5}
 
     def config(name, steps, staleness, push=push):
         return from_dict(TrainConfig, {
@@ -107,5 +110,10 @@ def test_rl_steps_with_sglang_engine_synchronous_asynchronous_and_in_memory(tmp_
     assert all(r["push/probe_max_abs_diff"] < 1e-5 for r in rows)
     assert [r["step"] for r in runs["in_memory"]] == [1, 2]
     assert not (tmp_path / "never-written").exists() and engines[2].push_config.method == "tensor"
+    from safetensors.numpy import load_file
+
+    num_tensors = len(load_file(f"{model_path}/model.safetensors"))
     for row in runs["in_memory"]:
         assert row["mismatch/abs_log_ratio_max"] < 1e-4 and row["push/probe_max_abs_diff"] < 1e-5
+        assert row["push/chunks"] == num_tensors
+    assert "push/chunks" not in runs["sync"][0]

@@ -5,7 +5,8 @@ checkpoint into a temporary folder, rename it into place (a crash never leaves a
 half-written checkpoint a server could load), ``/update_weights_from_disk`` on every server
 with the new ``weight_version``. ``method: tensor``, for servers on the learner's host and
 one JAX process: the same named tensors go to ``/update_weights_from_tensor`` through shared
-memory (``jaxrl.rollout.sglang.tensors``), no file written; the pusher keeps them, so a
+memory (``jaxrl.rollout.sglang.tensors``), no file written, in chunks (each server loads one
+while the next is copied; the version comes with the last); the pusher keeps them, so a
 server that restarts is given them again (``reload``). Then, either way, every server scores a
 fixed probe sequence; its answer must name the new version and match the learner's own
 recompute of the probe. A mismatch is a ``PushVerificationError``.
@@ -21,12 +22,13 @@ import concurrent.futures
 import dataclasses
 import os
 import pathlib
+import queue
 import shutil
 import threading
 import time
 import urllib.parse
 import uuid
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import jax
 import numpy as np
@@ -78,13 +80,16 @@ class PushConfig:
     checkpoint_dir: where pushed checkpoints are written (``weights-<version>``; method disk);
     keep_checkpoints: newest pushed checkpoints kept on disk (>= 1: a restarted server reloads the newest);
     probe_ids: the fixed token sequence scored after every push (>= 2 tokens);
-    probe_atol: largest allowed |engine logprob - learner logprob| on the probe."""
+    probe_atol: largest allowed |engine logprob - learner logprob| on the probe;
+    chunk_mib: method tensor: the tensors go over in chunks of at least this many MiB (> 0), so
+      the servers load one chunk while the learner copies the next."""
 
     method: Literal["disk", "tensor"] = "disk"
     checkpoint_dir: str = "runs/sglang/checkpoints"
     keep_checkpoints: int = 2
     probe_ids: tuple[int, ...] = (1, 7, 23, 3, 29, 5, 12, 8, 30, 2, 31, 17)
     probe_atol: float = 1e-5
+    chunk_mib: float = 128.0
 
     def __post_init__(self):
         object.__setattr__(self, "probe_ids", tuple(int(t) for t in self.probe_ids))
@@ -96,6 +101,8 @@ class PushConfig:
             raise ValueError(f"PushConfig.probe_ids: got {self.probe_ids}, expected >= 2 token ids >= 0")
         if not self.probe_atol > 0:
             raise ValueError(f"PushConfig.probe_atol: got {self.probe_atol}, expected > 0")
+        if not self.chunk_mib > 0:
+            raise ValueError(f"PushConfig.chunk_mib: got {self.chunk_mib}, expected > 0 (MiB per in-memory chunk)")
 
 
 class PushedCheckpoints:
@@ -180,7 +187,7 @@ class WeightPusher:
         self._checkpoints = PushedCheckpoints(config.checkpoint_dir, config.keep_checkpoints, export_fn)
         self._recompute_fn = recompute_fn
         self._tensors_fn = tensors_fn
-        self._last_tensors: tuple[str, str] | None = None  # method tensor: (payload, version) for restarts
+        self._last_version: str | None = None  # method tensor: the version in the buffers, for restarts
         self._reload_lock = threading.Lock()
         self._reloading = threading.local()  # set while this thread reloads a restarted server
         if config.method == "tensor":
@@ -193,17 +200,18 @@ class WeightPusher:
         """Pushes ``params`` as ``version`` and verifies it; returns timing metrics.
 
         Metrics (seconds unless named otherwise): push/export_s (checkpoint
-        write), push/load_s (servers loading it), push/verify_s (version and
-        probe checks), push/total_s, push/probe_max_abs_diff (nats).
+        write; method tensor: the copies into shared memory, which the servers' loads overlap),
+        push/load_s (servers loading it, after the export), push/verify_s (version and probe
+        checks), push/total_s, push/probe_max_abs_diff (nats); method tensor: push/chunks
+        (update requests per server).
         """
         start = time.perf_counter()
+        extra = {}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             expected = self._probe_recompute(params, pool)
             if self.config.method == "tensor":
-                self._last_tensors = None  # the buffers are about to hold weights no server has verified
-                payload = self._shared.payload(self._tensors_fn(params))
-                exported = time.perf_counter()
-                self._call_everywhere(lambda i: self._load_tensors(i, payload, version))
+                self._last_version = None  # the buffers are about to hold weights no server has verified
+                exported, extra["push/chunks"] = self._push_tensors(params, version)
             else:
                 path = self._checkpoints.write(params, version)
                 exported = time.perf_counter()
@@ -212,7 +220,7 @@ class WeightPusher:
             diff = self._verify(version, expected)
         verified = time.perf_counter()
         if self.config.method == "tensor":
-            self._last_tensors = (payload, version)
+            self._last_version = version
         else:
             self.fleet.record_weights(str(path), version)
             self._checkpoints.prune(newest=path)
@@ -222,6 +230,7 @@ class WeightPusher:
             "push/verify_s": verified - loaded,
             "push/total_s": verified - start,
             "push/probe_max_abs_diff": diff,
+            **extra,
         }
 
     def _load_everywhere(self, path: pathlib.Path, version: str) -> None:
@@ -240,15 +249,13 @@ class WeightPusher:
         checkpoint on disk, so it is given the last pushed tensors again, in new shared files
         (``SharedTensors.renew``), and checked for their version. Called from the client's retry
         path, in one of its threads; a restart during the reload is left to this reload."""
-        if self._last_tensors is None or getattr(self._reloading, "active", False):
+        version = self._last_version
+        if version is None or getattr(self._reloading, "active", False):
             return
         with self._reload_lock:
             self._reloading.active = True
             try:
-                version = self._last_tensors[1]
-                payload = self._shared.renew()
-                self._last_tensors = (payload, version)
-                self._load_tensors(index, payload, version)
+                self._load_tensors(index, [(self._shared.renew(), True)], version)
                 info = self._client.request(index, "GET", "/model_info", None,
                                             f"version check after reloading {version!r}")
             finally:
@@ -272,21 +279,47 @@ class WeightPusher:
         with concurrent.futures.ThreadPoolExecutor(self.fleet.num_servers) as pool:
             return [future.result() for future in [pool.submit(call, i) for i in range(self.fleet.num_servers)]]
 
-    def _load_tensors(self, index: int, payload: str, version: str) -> None:
-        """One server's ``/update_weights_from_tensor`` of ``payload`` (``SharedTensors``) inside
-        the weight-update session SGLang requires (``/begin_weight_update`` ..
-        ``/end_weight_update``, closed even on failure)."""
+    def _push_tensors(self, params, version: str) -> tuple[float, int]:
+        """Method tensor: copies the tensors into the shared buffers a chunk at a time while every
+        server loads the chunks already copied, in order. Returns when the last copy ended and
+        the number of chunks. A push that fails part-way leaves a server with some new tensors
+        under its old version; the error stops the run, and the next push replaces them all."""
+        channels = [queue.SimpleQueue() for _ in range(self.fleet.num_servers)]
+        chunks = 0
+        with concurrent.futures.ThreadPoolExecutor(self.fleet.num_servers) as pool:
+            loads = [pool.submit(self._load_tensors, i, iter(channel.get, None), version)
+                     for i, channel in enumerate(channels)]
+            try:
+                for chunk in self._shared.chunks(self._tensors_fn(params), int(self.config.chunk_mib * 2**20)):
+                    chunks += 1
+                    for channel in channels:
+                        channel.put(chunk)
+            finally:
+                for channel in channels:
+                    channel.put(None)
+            copied = time.perf_counter()
+            for load in loads:
+                load.result()
+        return copied, chunks
+
+    def _load_tensors(self, index: int, chunks: Iterable[tuple[str, bool]], version: str) -> None:
+        """One server's ``/update_weights_from_tensor`` of each ``(payload, is_last)`` chunk
+        (``SharedTensors``) inside the weight-update session SGLang requires
+        (``/begin_weight_update`` .. ``/end_weight_update``, closed even on failure); the last
+        chunk sets ``version`` and flushes the server's cache."""
         name = f"in-memory weight push of version {version!r}"
         self._client.request(index, "POST", "/begin_weight_update", {}, name)
         try:
-            result = self._client.request(index, "POST", "/update_weights_from_tensor", {
-                "serialized_named_tensors": [payload], "weight_version": version, "flush_cache": True}, name)
+            for payload, last in chunks:
+                result = self._client.request(index, "POST", "/update_weights_from_tensor", {
+                    "serialized_named_tensors": [payload], "weight_version": version if last else None,
+                    "flush_cache": last}, name)
+                if not result.get("success", False):
+                    raise PushVerificationError(
+                        f"{self.fleet.describe(index)}: {name} failed: {result.get('message')!r}; check that the "
+                        "tensors have the served architecture's names and shapes, or use PushConfig.method=disk")
         finally:
             self._client.request(index, "POST", "/end_weight_update", {}, name)
-        if not result.get("success", False):
-            raise PushVerificationError(
-                f"{self.fleet.describe(index)}: {name} failed: {result.get('message')!r}; check that the tensors "
-                "have the served architecture's names and shapes, or use PushConfig.method=disk")
 
     def _probe_recompute(self, params, pool: concurrent.futures.Executor) -> Callable[[], np.ndarray]:
         """The learner's probe logprobs, to be read once the servers have loaded: with one JAX

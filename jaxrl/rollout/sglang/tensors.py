@@ -5,7 +5,8 @@ SGLang's ``/update_weights_from_tensor`` takes, per tensor-parallel rank, a base
 tensor pickles as the name of a shared-memory file holding its data (torch's ``file_system``
 sharing strategy; the default ``file_descriptor`` one crashed SGLang's scheduler on CPU), so
 only names and shapes travel over HTTP and the server copies the data straight into its
-parameters. ``SharedTensors`` keeps the buffers (and so the files) from push to push.
+parameters. ``SharedTensors`` keeps the buffers (and so the files) from push to push, and hands
+the tensors over in chunks, so the server loads one chunk while the next is copied.
 
 Needs ``torch`` in the learner's environment (it is in jaxrl's pinned requirements) and the
 server on the same host.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import base64
 import io
 import warnings
+from typing import Iterator
 
 import numpy as np
 
@@ -23,13 +25,13 @@ import numpy as np
 class SharedTensors:
     """Shared-memory tensors, one per name, rewritten in place at every push.
 
-    ``payload(tensors)`` copies each host array (contiguous or a strided view) into its buffer
-    and returns the rank's payload string. Reusing the buffers matters for speed: fresh shared
-    memory costs a page fault per page on first write (measured: about 0.4 s for 377 MiB here,
-    against under 0.1 s to rewrite warm buffers). The server copies the data into its parameters
-    while it answers the request, so the buffers may be rewritten for the next push once it has
-    answered; until then they hold the last pushed weights, which a restarted server is given
-    again.
+    ``chunks(tensors, chunk_bytes)`` copies each host array (contiguous or a strided view) into
+    its buffer and yields the payload strings, one per chunk of consecutive tensors, each as soon
+    as its tensors are in place. Reusing the buffers matters for speed: fresh shared memory costs
+    a page fault per page on first write (measured: about 0.4 s for 377 MiB here, against under
+    0.1 s to rewrite warm buffers). The server copies the data into its parameters while it
+    answers the request, so the buffers may be rewritten for the next push once it has answered;
+    until then they hold the last pushed weights, which a restarted server is given again.
 
     A server that exits takes the names of the files it opened with it (torch's shared-memory
     manager of that process unlinks them), though the data stays mapped here: after a restart
@@ -40,15 +42,21 @@ class SharedTensors:
         self._buffers: dict[str, object] = {}  # name -> shared torch tensor
         self._dtypes: dict[str, np.dtype] = {}  # name -> the host arrays' dtype
 
-    def payload(self, tensors: dict[str, np.ndarray]) -> str:
+    def chunks(self, tensors: dict[str, np.ndarray], chunk_bytes: int) -> Iterator[tuple[str, bool]]:
+        """``(payload, is_last)`` per chunk: consecutive tensors, a chunk closed once it holds at
+        least ``chunk_bytes`` (a larger tensor is a chunk of its own). Every buffer is made before
+        the first chunk is yielded, so a failure to allocate one leaves no server half-updated."""
         torch = _torch()
         for name, array in tensors.items():
             buffer = self._buffers.get(name)
             if buffer is None or tuple(buffer.shape) != array.shape or self._dtypes[name] != array.dtype:
-                buffer = self._buffers[name] = _shared_tensor(torch, array.shape, array.dtype)
+                self._buffers[name] = _shared_tensor(torch, array.shape, array.dtype)
                 self._dtypes[name] = array.dtype
-            _copy_into(torch, buffer, array)
-        return self._pickled()
+        groups = _consecutive_groups(tensors, chunk_bytes)
+        for i, names in enumerate(groups):
+            for name in names:
+                _copy_into(torch, self._buffers[name], tensors[name])
+            yield self._pickled(names), i == len(groups) - 1
 
     def renew(self) -> str:
         """The same data in new shared-memory files; returns their payload."""
@@ -56,15 +64,26 @@ class SharedTensors:
         for name, old in self._buffers.items():
             self._buffers[name] = _shared_tensor(torch, tuple(old.shape), self._dtypes[name])
             self._buffers[name].copy_(old)
-        return self._pickled()
+        return self._pickled(list(self._buffers))
 
-    def _pickled(self) -> str:
+    def _pickled(self, names: list[str]) -> str:
         from multiprocessing.reduction import ForkingPickler
 
         stream = io.BytesIO()
         # torch.multiprocessing registered ForkingPickler's tensor reducers when imported.
-        ForkingPickler(stream).dump(list(self._buffers.items()))
+        ForkingPickler(stream).dump([(name, self._buffers[name]) for name in names])
         return base64.b64encode(stream.getvalue()).decode()
+
+
+def _consecutive_groups(tensors: dict[str, np.ndarray], chunk_bytes: int) -> list[list[str]]:
+    groups, size = [[]], 0
+    for name, array in tensors.items():
+        if size >= chunk_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += array.nbytes
+    return groups
 
 
 def read_payload(payload: str) -> dict[str, np.ndarray]:
