@@ -110,8 +110,8 @@ def main() -> None:
     print(f"median push total / plain write: disk {medians['disk']:.2f}x, tensor {medians['tensor']:.2f}x, "
           f"tensor in one chunk {medians['whole']:.2f}x "
           f"(plain write {min(plain_writes):.2f}-{max(plain_writes):.2f} s)")
-    print(f"median push total: tensor {np.median(totals['tensor']):.3f} s in {chunks} chunks of >= {args.chunk_mib:g} "
-          f"MiB, {np.median(totals['whole']):.3f} s in one chunk")
+    print(f"median push total: tensor {np.median(totals['tensor']):.3f} s in {chunks} chunks "
+          f"(chunk_mib {args.chunk_mib:g}), {np.median(totals['whole']):.3f} s in one chunk")
     print(f"median tensor push total / the same write into {args.memory_dir} (no disk): "
           f"{float(np.median(floor_ratios)):.2f}x")
     print(f"TARGET in_memory_push: {medians['tensor']:.2f}x a plain safetensors write (goal <= {GOAL}x) "
