@@ -8,6 +8,10 @@ Two call syntaxes are parsed:
 A malformed call (not JSON, not an object, no name, arguments that are not an object, an
 unclosed tag) parses to a ``ToolCall`` with ``error`` set, so the model is told what was wrong
 and the count lands in the metrics; nothing here raises on model text.
+
+Model text is untrusted, so parsing is one left-to-right scan (linear in the text: each tag is
+searched for once, from where the last call ended) and reads at most ``MAX_PARSED_CHARS``
+characters; a longer text ends with an error call saying so.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any, Mapping, Protocol
 
 from jaxrl.reward.base import describe_exception
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+# Linear as it is: a fence whose lazy body finds no closing ``` leaves no later fence to try.
 CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.S)
 
 
@@ -57,8 +62,13 @@ class Tool(Protocol):
     def __call__(self, arguments: Mapping[str, Any]) -> ToolResult: ...
 
 
+# A guard, far above any real turn (32K tokens of ~4 characters are ~130K), that bounds the
+# parser's time and the error calls it makes on text from elsewhere (a user environment's).
+MAX_PARSED_CHARS = 1_000_000
+
+
 def _parse_json_call(body: str) -> ToolCall:
-    raw = f"<tool_call>{body}</tool_call>"
+    raw = f"{OPEN_TAG}{body}{CLOSE_TAG}"
     try:
         value = json.loads(body)
     except (ValueError, RecursionError) as e:
@@ -79,17 +89,38 @@ def _parse_json_call(body: str) -> ToolCall:
     return ToolCall(name=name, arguments=arguments, raw=raw)
 
 
-def parse_tool_calls(text: str, code_blocks: bool = False) -> list[ToolCall]:
+def _tagged_calls(text: str) -> list[tuple[int, ToolCall]]:
+    """(offset, call) of every ``<tool_call>`` in ``text``, in one scan: a call's body runs to the
+    first close tag after its open tag, the next call is searched for after that close tag; an
+    open tag with no close tag after it is one error call, from the last open tag on."""
+    found: list[tuple[int, ToolCall]] = []
+    position = 0
+    while (start := text.find(OPEN_TAG, position)) != -1:
+        end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
+        if end == -1:  # nothing after this point closes, so every later open tag is unclosed too
+            last = text.rfind(OPEN_TAG)
+            found.append((last, ToolCall(error=f"{OPEN_TAG} is never closed with {CLOSE_TAG}", raw=text[last:])))
+            break
+        found.append((start, _parse_json_call(text[start + len(OPEN_TAG):end])))
+        position = end + len(CLOSE_TAG)
+    return found
+
+
+def parse_tool_calls(text: str, code_blocks: bool = False, max_chars: int = MAX_PARSED_CHARS) -> list[ToolCall]:
     """The calls in ``text``, in the order they appear: ``<tool_call>`` JSON, and fenced python
-    blocks when ``code_blocks``. A ``<tool_call>`` opened and never closed is one error call."""
-    found: list[tuple[int, ToolCall]] = [(m.start(), _parse_json_call(m.group(1))) for m in TOOL_CALL.finditer(text)]
-    rest = TOOL_CALL.sub("", text)
-    if "<tool_call>" in rest:
-        start = text.rindex("<tool_call>")
-        found.append((start, ToolCall(error="<tool_call> is never closed with </tool_call>", raw=text[start:])))
+    blocks when ``code_blocks``. A ``<tool_call>`` opened and never closed is one error call.
+
+    Only the first ``max_chars`` characters are read (time linear in them); a longer ``text``
+    gets one more error call, last, saying so: calls past the cap are not run.
+    """
+    scanned = text[:max_chars]
+    found = _tagged_calls(scanned)
     if code_blocks:
         found += [(m.start(), ToolCall(name="python", arguments={"code": m.group(1)}, raw=m.group(0)))
-                  for m in CODE_BLOCK.finditer(text)]
+                  for m in CODE_BLOCK.finditer(scanned)]
+    if len(text) > max_chars:
+        found.append((max_chars, ToolCall(error=f"the turn is {len(text)} characters long; tool calls are read from "
+                                                f"its first {max_chars} characters only, nothing after them was run")))
     return [call for _, call in sorted(found, key=lambda item: item[0])]
 
 
