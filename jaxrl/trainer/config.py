@@ -10,6 +10,7 @@ library's own ``ObjectiveConfig``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal
 
 from jaxrl.data.pipeline import DataConfig, check_mixture
@@ -18,6 +19,7 @@ from jaxrl.evaluation.filter import FilterConfig
 from jaxrl.losses.advantages import AdvantageConfig
 from jaxrl.losses.objective import ObjectiveConfig
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.hf import read_hf_config
 from jaxrl.models.sharding import MeshConfig
 from jaxrl.reward import RewardConfig
 from jaxrl.rollout.config import RolloutConfig
@@ -55,6 +57,21 @@ class PolicyConfig:
 
     def overrides(self) -> dict[str, str]:
         return {k: getattr(self, k) for k in self._OVERRIDES if getattr(self, k) is not None}
+
+    def max_positions(self) -> tuple[str, int] | None:
+        """(the key and value, for messages; the model's ``max_position_embeddings``): the checkpoint's
+        config.json (its loader's default when the file has none) or the architecture's. None when
+        ``hf_path`` holds no config.json yet (the SFT phase may write it later; the loader names it if not)."""
+        if not self.hf_path:
+            positions = self.architecture.max_position_embeddings
+            return f"model.architecture.max_position_embeddings={positions}", positions
+        config_file = os.path.join(self.hf_path, "config.json")
+        if not os.path.isfile(config_file):
+            return None
+        positions = read_hf_config(self.hf_path).get("max_position_embeddings", ModelConfig.max_position_embeddings)
+        if not isinstance(positions, int) or isinstance(positions, bool):
+            return None  # not a count: the checkpoint loader refuses it, naming the file
+        return f"max_position_embeddings={positions} in {config_file} (model.hf_path)", positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +349,8 @@ class TrainConfig:
             raise ValueError(
                 f"advantage.passk_k={self.advantage.passk_k} exceeds rollout.group_size={self.rollout.group_size}: "
                 f"pass@k needs k <= G samples per prompt; lower advantage.passk_k or raise rollout.group_size")
+        if self.env is not None:
+            self._check_env_fits_model()
         if self.env is not None and self.rollout.max_staleness > 0:
             raise ValueError(f"env (multi-turn rollouts) runs with the synchronous loop for now; set "
                              f"rollout.max_staleness=0 (got {self.rollout.max_staleness})")
@@ -347,3 +366,18 @@ class TrainConfig:
                 f"rollout.prompts_per_step * rollout.group_size = {sequences} sequences per step must be "
                 f"divisible by update.mini_batches * update.micro_batches = {split}"
             )
+
+    def _check_env_fits_model(self) -> None:
+        """Refuses an env task whose ``limits.max_total_tokens`` (a whole conversation, and so the
+        learner's row length) exceeds the model's positions: the model is not made for a longer
+        conversation, and rows sized for one cost time and memory for nothing. The task's other token limits
+        (an observation, a turn's new tokens) are cut to what ``max_total_tokens`` leaves."""
+        known = self.model.max_positions()
+        if known is None:
+            return
+        source, positions = known
+        for name, task in self.env.tasks.items():
+            key, tokens = f"env.tasks.{name}.limits.max_total_tokens", task.limits.max_total_tokens
+            if tokens > positions:
+                raise ValueError(f"{key}={tokens} exceeds {source}: a conversation must fit the "
+                                 f"model's positions; lower {key} to at most {positions}")

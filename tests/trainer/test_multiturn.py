@@ -59,7 +59,9 @@ def counting_environment(tokenizer, task):
 
 
 ENV = {"task_field": "none", "default_task": "count",
-       "tasks": {"count": {"kind": "python", "environment": f"{__name__}:counting_environment"}}}
+       "tasks": {"count": {"kind": "python", "environment": f"{__name__}:counting_environment",
+                           # The environment's own limits; the trainer sizes its rows by the config's.
+                           "limits": {"max_turns": TURNS, "max_total_tokens": 32}}}}
 
 
 def test_conversations_train_on_the_model_tokens_only(files, tmp_path, monkeypatch):
