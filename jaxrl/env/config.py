@@ -19,6 +19,7 @@ from jaxrl.env.python_tool import PythonTool, PythonToolConfig
 from jaxrl.env.tool_env import ToolEnvironment
 from jaxrl.env.tools import Calculator, Tool
 from jaxrl.reward.tasks import load_callable
+from jaxrl.sandbox import jail_for
 
 BUILTIN_TOOLS: Mapping[str, Callable[["EnvTaskConfig"], Tool]] = {
     "python": lambda task: PythonTool(task.python),
@@ -90,6 +91,9 @@ class EnvRouter:
     def __init__(self, config: EnvConfig, tokenizer):
         self.config, self.tokenizer = config, tokenizer
         self.factories = {name: self._factory(name, task) for name, task in config.tasks.items()}
+        for name, task in config.tasks.items():
+            if task.kind == "tools" and "python" in task.tools:  # refused or warned about now, not mid-rollout
+                jail_for(task.python.isolation, f"env.tasks.{name}.python")
 
     def _factory(self, name: str, task: EnvTaskConfig) -> Callable[[], Environment]:
         if task.kind == "python":

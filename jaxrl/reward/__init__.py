@@ -21,8 +21,9 @@ with needs_extra("jaxrl.reward"):
     from jaxrl.reward.judge import JUDGE_KINDS, JUDGE_TEMPLATES, JudgeConfig, parse_judge_score
     from jaxrl.reward.judge_batch import JudgeCache, JudgeModel, JudgeReply, JudgeScorer, JudgeUnavailableError
     from jaxrl.reward.math import MathAnswerReward, answers_match, extract_answer, extract_boxed
-    from jaxrl.reward.sandbox import SandboxedRewardRouter, WorkerStartError, check_seconds
+    from jaxrl.reward.sandbox import SandboxedRewardRouter, WorkerStartError
     from jaxrl.reward.tasks import TaskRewardConfig, build_reward
+    from jaxrl.sandbox import check_seconds
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,11 @@ functions itself (``kind: python`` ones are imported there by their "module:call
 spec; the parent imports them too, at build time, so a bad spec fails before training
 as a ValueError naming it). A whole batch goes over as one message and the results
 stream back one per sample; each sample's limit counts from the previous result. The worker
-runs in its own process group (a kill takes its subprocesses too), ignores SIGINT (Ctrl-C
-is the trainer's to handle), and exits when the trainer's process goes away. It runs with
+runs in a PID namespace of its own where the machine allows (``jaxrl.sandbox.contain``: the
+host's files, network and identity, so rewards work as before), so every process a reward
+starts, ``setsid`` or not, ends with the worker; elsewhere in its own process group (a kill
+takes its subprocesses, but not those that left the session; a warning says so). It ignores
+SIGINT (Ctrl-C is the trainer's to handle) and exits when the trainer's process goes away. It runs with
 ``JAX_PLATFORMS=cpu``: a reward that imports JAX must not take the trainer's accelerator
 (a TPU admits one process). ``close()`` stops it; a finalizer kills it at interpreter exit
 if ``close`` was never called.
@@ -47,7 +50,6 @@ Next to a training step (seconds) that is noise.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -61,6 +63,7 @@ from typing import Mapping
 
 from jaxrl.reward.base import Outcome, RewardRouter, call_reward, describe_exception
 from jaxrl.reward.tasks import TaskRewardConfig, build_reward
+from jaxrl.sandbox import check_seconds, command_status, contain, kill_process_group
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +127,11 @@ class _Worker:
     def __init__(self, tasks: Mapping, start_timeout_s: float):
         parent_end, child_end = Pipe(duplex=True)
         try:
+            command, self.contained = contain([sys.executable, "-c", _BOOT, str(child_end.fileno())],
+                                              "the reward worker")
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(child_end.fileno())], pass_fds=(child_end.fileno(),),
-                stdin=subprocess.DEVNULL, process_group=0, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                command, pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL, process_group=0,
+                env={**os.environ, "JAX_PLATFORMS": "cpu"},
             )
         except BaseException:
             parent_end.close()
@@ -163,6 +168,8 @@ class _Worker:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             return "pipe closed, process still running"
+        if self.contained:
+            code = command_status(code)
         if code < 0:
             try:
                 return f"killed by signal {signal.Signals(-code).name}"
@@ -187,30 +194,11 @@ class _Worker:
         self._finalizer()
 
 
-def kill_process_group(proc: subprocess.Popen) -> None:
-    """SIGKILL to ``proc``'s process group (started with ``start_new_session``; the process alone
-    when the group is gone or not ours), then reaps it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # uninterruptible sleep (D state); nothing more to do
-        pass
-
-
 def _kill(proc: subprocess.Popen, conn: Connection) -> None:
     """Kills the worker and its process group, reaps it, closes the pipe (also the finalizer at exit)."""
     if proc.poll() is None:
         kill_process_group(proc)
     conn.close()
-
-
-def check_seconds(name: str, value) -> None:
-    """Raises ValueError naming ``name`` unless ``value`` is a finite number of seconds > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0")
 
 
 class SandboxedRewardRouter(RewardRouter):
