@@ -107,6 +107,8 @@ def test_limits_errors_and_metrics(tokenizer):
     assert bad.counts == {"tool_calls": 2, "tool_errors": 2, "tool_timeouts": 0, "truncations": 0}
     assert "unknown tool 'nope'" in tokenizer.decode(bad.conversation.token_ids.tolist())
     assert many.counts["tool_calls"] == 3 and many.counts["tool_errors"] == 1
+    assert "at most 2 tool calls per turn; the other 1 were not run" in tokenizer.decode(
+        many.conversation.token_ids.tolist())
     assert ends.finish == "max_tokens" and len(ends.conversation.token_ids) <= 60
     # turn 1: "ends" has its own token budget (one call), the other four share one; then the batch shrinks
     assert engine.calls[:2] == [1, 4] and engine.calls[-1] < 4
