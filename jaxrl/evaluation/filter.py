@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxrl.data.pipeline import Example
+from jaxrl.errors import InputError
 from jaxrl.evaluation.core import CORRECT_ABOVE, sample_and_score, sampling_record
 from jaxrl.reward.base import RewardRouter
 from jaxrl.rollout.base import RolloutEngine, SamplingParams
@@ -84,6 +85,20 @@ class FilterConfig:
         return {"output": self.output, "progress": self.progress or self.output + ".progress.jsonl",
                 "summary": self.summary or self.output + ".summary.json", "histogram": self.output + ".hist.png"}
 
+    def refuse_inputs_as_outputs(self, inputs: Sequence[str]) -> None:
+        """Refuses a run whose output, progress, summary or histogram file is one of ``inputs``
+        (compared as resolved paths, links and hard links included): writing it would replace the
+        rows being filtered with the kept ones."""
+        for name, path in self.paths().items():
+            for source in inputs:
+                same = os.path.realpath(path) == os.path.realpath(source) or (
+                    os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source))
+                if same:
+                    chosen = {"output": self.output, "progress": self.progress, "summary": self.summary}.get(name)
+                    key = f"filter.{name}" if chosen else f"the {name} file next to filter.output"
+                    raise InputError(f"{key} is {path}, which is the input file {source}: the filter would "
+                                     f"overwrite the rows it reads; write the kept rows to another file")
+
     def band(self, task: str) -> PassBand:
         band = self.bands.get(task, self.default_band)
         if band is None:
@@ -136,6 +151,14 @@ def _write_rows(path: str, rows: list[dict]) -> None:
         with open(tmp, "w") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, path)
+
+
+def _write_summary(path: str, summary: dict) -> None:
+    """The summary JSON, written whole or not at all (a temporary file renamed over it)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
 
 
 def _histogram(path: str, rates: dict[str, list[float]], config: FilterConfig) -> None:
@@ -218,7 +241,5 @@ def run_filter(config: FilterConfig, examples: Sequence[Example], engine: Rollou
     result = {"in": len(examples), "kept": len(kept), "kept_fraction": len(kept) / len(examples),
               "bad_rows": bad_rows, "sampling": settings, "tasks": summary, "rule": "kept when low < p <= high",
               "files": paths}
-    with open(paths["summary"], "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    _write_summary(paths["summary"], result)
     return result

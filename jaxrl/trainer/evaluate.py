@@ -37,6 +37,17 @@ def _parse(prog: str, argv: Sequence[str], what: str, extra) -> argparse.Namespa
     return parser.parse_intermixed_args(argv)  # options may come before or after the overrides
 
 
+def _count(text: str) -> int:
+    """A whole number >= 0, for argparse (which then names the option in its one-line error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
 def _restore_params(model, directory: str) -> int:
     """Loads the newest intact step's parameters of a training checkpoint into ``model``; returns
     the step. Only the parameters are read (the optimizer state stays on disk)."""
@@ -137,7 +148,7 @@ def eval_main(argv: Sequence[str]) -> int:
     """Scores a model on ``data.eval_files``: avg@n and pass@k per task and overall; a table and JSON."""
     def extra(parser):
         parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
-        parser.add_argument("--max-prompts", type=int, default=0, help="score only the first N prompts (0: all)")
+        parser.add_argument("--max-prompts", type=_count, default=0, help="score only the first N prompts (0: all)")
 
     args = _parse("eval", argv, "score a model on held-out prompts (avg@n, pass@k)", extra)
 
@@ -183,8 +194,8 @@ def filter_main(argv: Sequence[str]) -> int:
         from jaxrl.evaluation.filter import run_filter
 
         f = setup.config.filter
-        f.paths()  # an empty filter.output fails before the model loads
         files = f.input_files or setup.config.data.train_files
+        f.refuse_inputs_as_outputs(files)  # an empty or clashing filter.output fails before the model loads
         setup.start(files, None, f.chunk_prompts * f.samples)
         seed = setup.config.seed
         summary = run_filter(f, setup.examples, setup.engine, setup.router, setup.tokenizer,

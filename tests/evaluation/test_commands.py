@@ -69,3 +69,36 @@ def test_bad_config_exits_2(tmp_path, capsys):
     config, _, _ = _config(tmp_path)
     assert main(["eval", config, "eval.k=[9]"]) == 2
     assert "eval.k" in capsys.readouterr().err
+
+
+def test_filter_refuses_to_write_over_its_input(tmp_path, capsys):
+    """Before: ``filter.output`` equal to the input (by name, or through a link) exited 0 and the input
+    held only the kept rows. Now the command stops before loading a model, naming both, and the
+    input's bytes are unchanged."""
+    config, _, _ = _config(tmp_path)
+    data = tmp_path / "mixed.jsonl"
+    before = data.read_bytes()
+    (tmp_path / "link.jsonl").symlink_to(data)
+    for output in (str(data), f"{tmp_path}/sub/../mixed.jsonl", str(tmp_path / "link.jsonl")):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        assert main(["filter", config, f"filter.output={output}"]) == 2
+        err = capsys.readouterr().err
+        assert f"filter.output is {output}, which is the input file {data}" in err and len(err.splitlines()) == 1
+    assert main(["filter", config, f"filter.output={tmp_path}/kept.jsonl", f"filter.summary={data}"]) == 2
+    assert f"filter.summary is {data}, which is the input file" in capsys.readouterr().err
+    assert main(["filter", config, f"filter.output={tmp_path}/kept.jsonl", "filter.summary=",
+                 f"data.train_files=[{tmp_path}/kept.jsonl.summary.json]"]) == 2
+    assert "the summary file next to filter.output is" in capsys.readouterr().err
+    assert data.read_bytes() == before and not (tmp_path / "out").exists()
+
+
+def test_eval_refuses_a_negative_prompt_count(tmp_path, capsys):
+    """Before: ``jaxrl eval --max-prompts -3`` was accepted (and scored all but the last three prompts)."""
+    config, _, _ = _config(tmp_path)
+    try:
+        main(["eval", config, "--max-prompts", "-3"])
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("--max-prompts -3 was accepted")
+    assert "argument --max-prompts: '-3' is not a whole number >= 0" in capsys.readouterr().err
