@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import os
@@ -41,6 +42,67 @@ def _yaml():
 
 class ConfigError(ValueError):
     """A config file or override that does not match the typed config."""
+
+
+# A config holds hundreds of values; YAML aliases can make a few lines stand for billions of them
+# ("billion laughs"), which the deep copy of apply_overrides would then build in memory.
+MAX_CONFIG_VALUES = 100_000
+# Integers cross into numpy and JAX as int64: a larger one fails there with an OverflowError.
+_INT_RANGE = (-(2**63), 2**63 - 1)
+
+
+@functools.cache
+def _strict_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last one
+    silently, so a typo'd second ``lr:`` would win without a word)."""
+    yaml = _yaml()
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` merges keys that the mapping itself may override
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise ConfigError(f"key {key!r} appears twice in one mapping (line {key_node.start_mark.line + 1}"
+                                      f"); keep one of them")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return StrictLoader
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise ConfigError(f"key {key!r} appears twice in one object; keep one of them")
+    return dict(pairs)
+
+
+def _check_expanded_size(value, what: str) -> None:
+    """Refuses ``value`` when, with every alias written out, it holds more than MAX_CONFIG_VALUES
+    values, or when an alias holds itself; each shared object is counted once, so the check
+    itself stays small."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(v) -> int:
+        if not isinstance(v, (dict, list)):
+            return 1
+        if id(v) in open_:
+            raise ConfigError(f"{what}: an alias refers to the mapping or list that holds it (`&a [*a]`), "
+                              f"which no value can be; write the value out")
+        if id(v) not in sizes:
+            open_.add(id(v))
+            sizes[id(v)] = 1 + sum(size(c) for c in ([*v.keys(), *v.values()] if isinstance(v, dict) else v))
+            open_.discard(id(v))
+        return sizes[id(v)]
+
+    if size(value) > MAX_CONFIG_VALUES:
+        raise ConfigError(f"{what}: its aliases expand to more than {MAX_CONFIG_VALUES:,} values (a config needs "
+                          f"hundreds); write the repeated parts out or use fewer nested aliases")
 
 
 def _type_name(tp) -> str:
@@ -108,6 +170,9 @@ def _convert(tp, value, key: str):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+                raise ConfigError(f"{key}: {value} is outside the 64-bit integer range [-2**63, 2**63 - 1]; "
+                                  f"give a smaller number")
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
@@ -191,11 +256,17 @@ def read_config_file(path: str | os.PathLike) -> dict:
         text = f.read()
     yaml = _yaml()
     try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        if path.endswith(".json"):
+            data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        else:
+            data = yaml.load(text, Loader=_strict_loader())  # noqa: S506 (a SafeLoader subclass)
+    except ConfigError as e:
+        raise ConfigError(f"config file {path!r}: {e}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ConfigError(
             f"config file {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}"
         ) from e
+    _check_expanded_size(data, f"config file {path!r}")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -215,9 +286,12 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
         if not all(parts):
             raise ConfigError(f"override {item!r}: empty key segment in {dotted!r}")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, Loader=_strict_loader()) if raw.strip() else ""  # noqa: S506
+        except ConfigError as e:
+            raise ConfigError(f"override {dotted}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: value {raw!r} is not valid YAML: {e}") from e
+        _check_expanded_size(value, f"override {dotted}")
         node = data
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})

@@ -59,6 +59,8 @@ class DataConfig:
                 f"({self.max_response_tokens}) must be >= 1"
             )
         check_mixture("data.mixture", self.mixture)
+        if not 0 <= self.seed < 2**32:  # grain's shuffle and numpy's RandomState take 32-bit seeds
+            raise ValueError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
 
 
 def check_mixture(key: str, mixture) -> None:

@@ -324,6 +324,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.seed < 0:  # numpy's SeedSequence, from which every step's sampling seed is drawn, takes none
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if "://" in self.output_dir:
             raise ValueError(
                 f"output_dir must be a local folder (metrics, TensorBoard and plots are written with plain "
