@@ -120,6 +120,9 @@ def _convert(tp, value, key: str):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        others = [arg for arg in args if arg is not type(None)]
+        if len(others) == 1:  # `X | None` given a value: X's own error says what is wrong with it
+            return _convert(others[0], value, key)
         errors = []
         for arg in args:
             if arg is type(None):

@@ -133,7 +133,7 @@ def _row_problem(row: Row, config: DataConfig, tokenizer, with_response: bool,
     if row.data is None:
         return _Bad("unreadable", row.error or "unreadable", row.detail)
     prompt = row.data.get(config.prompt_field)
-    if prompt is None:
+    if config.prompt_field not in row.data:  # a null value is a field given empty, not a missing one
         return _Bad("missing_field", f"missing field {config.prompt_field!r}",
                     f"has fields {sorted(row.data)}")
     if not isinstance(prompt, str) or not prompt.strip():
@@ -148,7 +148,7 @@ def _row_problem(row: Row, config: DataConfig, tokenizer, with_response: bool,
     response_mask: list[int] = []
     if with_response:
         response = row.data.get(config.response_field)
-        if response is None:
+        if config.response_field not in row.data:
             return _Bad("missing_field", f"missing field {config.response_field!r}",
                         f"has fields {sorted(row.data)}")
         if isinstance(response, list):
@@ -215,7 +215,7 @@ def _encode_turns(tokenizer, turns: list) -> tuple[list[int], list[int]] | _Bad:
 
 
 def _short(value: Any, limit: int = 40) -> str:
-    return _clip(repr(value), limit)
+    return "null" if value is None else _clip(repr(value), limit)
 
 
 def _clip(text: str, limit: int = 80) -> str:
@@ -348,9 +348,10 @@ class BatchIterator:
             raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
         shard = grain.MapDataset.range(len(examples))[process_index::process_count]
         if len(shard) < batch_size:
-            raise ValueError(
-                f"batch_size={batch_size} exceeds the {len(shard)} examples of process {process_index} "
-                f"({len(examples)} valid rows over {process_count} processes); lower the batch size or add data"
+            raise InputError(
+                f"a batch of {batch_size} prompts (rollout.prompts_per_step; sft.batch_size in SFT) exceeds the "
+                f"{len(shard)} valid rows of process {process_index} ({len(examples)} over {process_count} "
+                f"processes); lower the batch size or add data"
             )
         if mixture:
             stream = _mixed(examples, list(shard), mixture, mixture_field, seed if shuffle else None)

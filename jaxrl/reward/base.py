@@ -50,9 +50,11 @@ class RewardResult:
 
 
 class RewardFn(Protocol):
+    """A reward function: a ``RewardResult``, or a plain number as its score (parsable)."""
+
     def __call__(
         self, prompt: str, response: str, response_ids: Sequence[int], row: Mapping
-    ) -> RewardResult: ...
+    ) -> RewardResult | float: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +103,11 @@ def call_reward(fn: RewardFn, prompt, response, response_ids, row) -> Outcome:
     (:func:`check_token_rewards`) -> a "raised" outcome."""
     try:
         result = fn(prompt, response, response_ids, row)
+        if isinstance(result, (int, float, np.integer, np.floating)) and not isinstance(result, (bool, np.bool_)):
+            result = RewardResult(score=float(result))  # a bare number is the score, as most reward code returns
+        elif not hasattr(result, "score"):
+            raise TypeError(f"the reward function returned {type(result).__name__} {_clip(repr(result), 60)}; "
+                            f"return a number or jaxrl.reward.RewardResult(score=...)")
         score, unparsable = float(result.score), bool(result.unparsable)
         if not np.isfinite(score):
             raise ValueError(f"reward is not finite: {score}")
@@ -127,12 +134,22 @@ def check_token_rewards(token_rewards, score: float, length: int) -> tuple[float
     return tuple(float(v) for v in values)
 
 
+# A reward error's message reaches the log once per sample: a message that holds a whole
+# response (or a loop's worth of text) would bury everything else.
+MAX_ERROR_CHARS = 500
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+
+
 def describe_exception(e: BaseException) -> str:
+    """``Type: message``, the message cut at MAX_ERROR_CHARS characters."""
     try:
         text = str(e)
     except Exception:  # noqa: BLE001 - a broken __str__ must not hide the error type.
         text = "<message not printable>"
-    return f"{type(e).__name__}: {text}"
+    return f"{type(e).__name__}: {_clip(text, MAX_ERROR_CHARS)}"
 
 
 class RewardRouter:

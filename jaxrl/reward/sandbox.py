@@ -49,6 +49,7 @@ Next to a training step (seconds) that is noise.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
@@ -61,6 +62,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Mapping
 
+from jaxrl.errors import InputError
 from jaxrl.reward.base import Outcome, RewardRouter, call_reward, describe_exception
 from jaxrl.reward.tasks import TaskRewardConfig, build_reward
 from jaxrl.sandbox import check_seconds, command_status, contain, kill_process_group
@@ -80,14 +82,50 @@ _BOOT = (
 )
 
 
+# What a reward function prints reaches the trainer's terminal, at most this much per sample: one
+# that prints each response (or loops printing) would otherwise bury the run's log.
+MAX_OUTPUT_CHARS = 2000
+
+
 # ------------------------------------------------------------------------------- the worker side
+class _CappedOutput(io.TextIOBase):
+    """``sys.stdout`` and ``sys.stderr`` of the worker: writes pass to ``target`` until a sample has
+    written ``limit`` characters; the rest is counted and reported in one line after the sample."""
+
+    def __init__(self, target, limit: int):
+        self.target, self.limit = target, limit
+        self.left, self.dropped = limit, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        kept = text[:max(self.left, 0)]
+        self.left -= len(kept)
+        self.dropped += len(text) - len(kept)
+        self.target.write(kept)
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def next_sample(self) -> None:
+        if self.dropped:
+            self.target.write(f"\n[jaxrl reward worker: {self.dropped:,} more characters of a reward's output "
+                              f"dropped (at most {self.limit:,} per sample)]\n")
+        self.target.flush()
+        self.left, self.dropped = self.limit, 0
+
+
 def serve(conn: Connection) -> None:
     """The worker's loop: build the reward functions, then score batches until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    os.dup2(2, 1)  # the trainer's stdout carries its JSON summary; a reward's output goes to stderr
+    sys.stdout = sys.stderr = output = _CappedOutput(sys.__stderr__, MAX_OUTPUT_CHARS)
     try:
         tasks = conn.recv()
-        functions = {name: build_reward(task) for name, task in tasks.items()}
+        functions = {name: build_reward(task, f"reward.tasks.{name}.function") for name, task in tasks.items()}
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it.
         conn.send(("start_error", describe_exception(e)))
         return
@@ -103,6 +141,7 @@ def serve(conn: Connection) -> None:
                     outcome = call_reward(functions[task], prompt, response, response_ids, row)
                 except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt in a reward function.
                     outcome = Outcome("raised", error=describe_exception(e))
+                output.next_sample()
                 conn.send((batch, i, tuple(outcome)))
     except (EOFError, OSError):  # the parent closed its end or went away
         return
@@ -229,12 +268,13 @@ class SandboxedRewardRouter(RewardRouter):
                     f"SandboxedRewardRouter task {name!r} must be a TaskRewardConfig, got {type(task).__name__}"
                 )
             if task.kind == "python" and task.function.partition(":")[0] == "__main__":
-                raise ValueError(
+                raise InputError(
                     f"reward function {task.function!r} (task {name!r}) lives in the script being run; the reward "
                     f"worker process cannot import it: move it to an importable module and name that module"
                 )
         super().__init__(
-            {name: build_reward(task) for name, task in tasks.items()}, task_field=task_field,
+            {name: build_reward(task, f"reward.tasks.{name}.function") for name, task in tasks.items()},
+            task_field=task_field,
             default_task=default_task,
             answer_fields={name: task.answer_field for name, task in tasks.items() if task.kind == "math"}, judge=judge,
         )

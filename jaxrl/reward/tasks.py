@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 from typing import Literal
 
+from jaxrl.errors import InputError
 from jaxrl.reward.base import RewardFn, RewardResult
 from jaxrl.reward.format import FormatReward
 from jaxrl.reward.judge import JUDGE_KINDS, JudgeConfig
@@ -70,24 +71,30 @@ class _Gated:
 
 
 def load_callable(spec: str, what: str = "reward function"):
-    """The object named by "package.module:attribute"; ValueError naming ``what`` and ``spec`` when it
-    cannot be imported (also used for user environments, ``jaxrl.env.config``)."""
+    """The object named by "package.module:attribute"; ``InputError`` (exit 2 at the command line)
+    naming ``what`` and ``spec`` when it cannot be imported, including an error the module raises
+    while it is imported (also used for user environments, ``jaxrl.env.config``)."""
     module_name, _, attr = spec.partition(":")
     if not attr:
-        raise ValueError(f"{what} {spec!r} must look like 'package.module:function'")
+        raise InputError(f"{what} {spec!r} must look like 'package.module:function'")
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what} {spec!r} cannot be imported: {e}") from e
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's module is theirs to fix, named here
+        raise InputError(f"{what} {spec!r} cannot be imported: {type(e).__name__}: {e}; check the module is on "
+                         f"PYTHONPATH (or installed) and imports cleanly") from e
+    if not hasattr(module, attr):
+        raise InputError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
 
 
-def build_reward(task: TaskRewardConfig) -> RewardFn:
-    """The per-sample reward function of ``task``; ValueError for a judge kind (no such function)."""
+def build_reward(task: TaskRewardConfig, key: str = "reward function") -> RewardFn:
+    """The per-sample reward function of ``task``; ValueError for a judge kind (no such function).
+    ``key``: how a ``kind: python`` function that cannot be imported is named in the error."""
     if task.kind in JUDGE_KINDS:
         raise ValueError(f"kind={task.kind!r} is scored by a judge over the whole batch, not by a per-sample "
                          f"function: build the router with jaxrl.reward.build_router(config, judges=...)")
     if task.kind == "python":
-        return load_callable(task.function)
+        return load_callable(task.function, key)
     if task.kind == "format":
         return FormatReward(task.pattern, task.required_phrases)
     math = MathAnswerReward(task.answer_field, task.rel_tol, task.checker)

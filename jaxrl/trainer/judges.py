@@ -13,6 +13,7 @@ import os
 
 import jax
 
+from jaxrl.errors import InputError
 from jaxrl.reward import SandboxedRewardRouter, build_router
 from jaxrl.rollout.sglang.judge import SGLangJudge
 
@@ -37,7 +38,10 @@ def build_reward_router(config, judge_cache: str | None = None) -> SandboxedRewa
     judges = {}
     try:
         for name in used:
-            judges[name] = SGLangJudge(config.judges[name])
+            try:
+                judges[name] = SGLangJudge(config.judges[name])
+            except InputError as e:  # an external URL that is down or not an SGLang server
+                raise InputError(f"judges.{name}: {e}") from None
         return build_router(config.reward, judges=judges, judge_cache=judge_cache)
     except BaseException:
         for judge in judges.values():

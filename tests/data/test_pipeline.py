@@ -155,7 +155,8 @@ def test_processes_get_disjoint_shards(tokenizer, tmp_path):
             (BatchIterator(examples, 3, seed=0, process_index=p, process_count=2) for p in range(2))]
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == sorted(e.prompt for e in examples)
-    with pytest.raises(ValueError, match="batch_size=7 exceeds the 6 examples of process 1"):
+    with pytest.raises(ValueError, match=r"a batch of 7 prompts \(rollout.prompts_per_step; sft.batch_size in SFT\) "
+                                         r"exceeds the 6 valid rows of process 1"):
         BatchIterator(examples, 7, process_index=1, process_count=2)
 
 

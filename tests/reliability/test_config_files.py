@@ -11,8 +11,9 @@ import pytest
 from jaxrl.config import ConfigError, MAX_CONFIG_VALUES, load_config, read_config_file
 from jaxrl.trainer.config import TrainConfig
 
+# Nine levels, each a list of nine aliases of the one before: 9**9 strings once written out.
 LAUGHS = "a: &a [" + ",".join(['"lol"'] * 9) + "]\n" + "".join(
-    f"{b}: &{b} [" + ",".join([f"*{a}"] * 9) + "]\n" for a, b in zip("abcdefgh", "bcdefghi"))  # 9**9 strings
+    f"{b}: &{b} [" + ",".join([f"*{a}"] * 9) + "]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True))
 
 
 def _in_1_gib():
@@ -72,7 +73,8 @@ def test_a_twice_given_key_in_json_or_an_override_is_refused(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("seed=12345678901234567890123456789012345678",
-     "seed: 12345678901234567890123456789012345678 is outside the 64-bit integer range [-2**63, 2**63 - 1]; give a smaller number"),
+     "seed: 12345678901234567890123456789012345678 is outside the 64-bit integer range [-2**63, 2**63 - 1]; "
+     "give a smaller number"),
     ("seed=-1", "section <top> (TrainConfig): seed must be >= 0, got -1"),
     ("data.seed=4294967296", "section data (DataConfig): seed must be in [0, 2**32 - 1], got 4294967296"),
 ])

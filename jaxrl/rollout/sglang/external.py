@@ -11,6 +11,7 @@ import os
 
 import requests
 
+from jaxrl.errors import InputError
 from jaxrl.rollout.base import LogprobKind
 from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, auth_headers, valid_key
 from jaxrl.rollout.sglang.fleet import ServedWeights
@@ -41,7 +42,7 @@ class ExternalServers(ServedWeights):
     def __init__(self, urls, model_path: str, config: ExternalFleetConfig = ExternalFleetConfig(),
                  timeout_s: float = 10.0, api_key: str | None = None):
         if not urls:
-            raise ValueError("ExternalServers needs at least one server URL")
+            raise InputError("ExternalServers needs at least one server URL")
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.config = config
         self._model_path = model_path
@@ -49,7 +50,7 @@ class ExternalServers(ServedWeights):
         self._api_key = os.environ.get(EXTERNAL_API_KEY_ENV, "") if from_env else api_key
         source = f"${EXTERNAL_API_KEY_ENV}" if from_env else "ExternalServers(api_key=...)"
         if not valid_key(self._api_key):
-            raise ValueError(f"{source}: the API key must be printable characters without spaces")
+            raise InputError(f"{source}: the API key must be printable characters without spaces")
         headers = auth_headers(self._api_key)
         versions = []
         for url in self.urls:
@@ -58,20 +59,23 @@ class ExternalServers(ServedWeights):
                 refused = response.status_code in (401, 403)
                 if not refused:
                     response.raise_for_status()
-                    versions.append(str(response.json().get("weight_version", "unknown")))
+                    info = response.json()
+                    if not isinstance(info, dict):
+                        raise ValueError(f"the reply is {type(info).__name__} {str(info)[:80]!r}, not a JSON object")
+                    versions.append(str(info.get("weight_version", "unknown")))
             except (requests.RequestException, ValueError) as err:
-                raise ValueError(f"{url}: no SGLang server answers GET {url}/model_info "
+                raise InputError(f"{url}: no SGLang server answers GET {url}/model_info "
                                  f"({type(err).__name__}: {err}); start one "
                                  "(python -m sglang.launch_server --model-path ...) or check the URL") from None
             if refused:
-                raise ValueError(
+                raise InputError(
                     f"{url}: the server refused GET {url}/model_info (HTTP {response.status_code}): "
                     + (f"it requires an API key; set {source} to the key it was started with (--api-key)"
                        if not self._api_key else
                        f"the API key from {source} is not the one it was started with (--api-key)"))
         if len(set(versions)) > 1:
             served = dict(zip(self.urls, versions, strict=True))
-            raise ValueError(f"the servers serve different weight versions {served}; "
+            raise InputError(f"the servers serve different weight versions {served}; "
                              "point at servers with the same weights")
         self._weight_version = versions[0]
 
