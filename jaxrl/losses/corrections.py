@@ -41,7 +41,7 @@ from jaxrl.losses.mismatch import _f32, _safe_div, sequence_log_ratio, token_log
 
 __all__ = ["token_tis", "sequence_tis", "token_mis", "sequence_mis", "geo_rs", "sequence_kl_rs",
            "batch_normalize_is_weights", "combine_corrections", "IS_WEIGHTS", "REJECTIONS",
-           "KL_RS_ESTIMATORS", "KL_RS_AGGREGATES", "IS_NORMALIZE_LEVELS"]
+           "REJECTED_TOKEN_FRACTION", "KL_RS_ESTIMATORS", "KL_RS_AGGREGATES", "IS_NORMALIZE_LEVELS"]
 
 KL_RS_ESTIMATORS = ("k2", "k3")
 KL_RS_AGGREGATES = ("sum", "mean", "max")
@@ -196,8 +196,12 @@ def geo_rs(
     ``T_seq`` is the sequence's count of masked tokens, so the band is a
     per-token trust region that does not reject long sequences systematically.
     Pure rejection: kept tokens get weight 1 (combine with a TIS weight by
-    multiplying if reweighting is wanted). The default band (1 +- 1e-3) is a
-    choice; the sources give none (docs/losses.md#mismatch-corrections).
+    multiplying if reweighting is wanted). The default band is verl's
+    ``decoupled_geo_rs`` preset (``rs_threshold=1.001``, lower 0.999), meant
+    for long responses from an engine that matches the learner closely: the
+    geometric mean of T tokens spreads like ``1/sqrt(T)``, so on short
+    responses this band rejects nearly everything. ``ObjectiveConfig``
+    defaults to a wider band, measured on the demo (docs/losses.md#the-geo-rs-band).
 
     Returns:
       ``(weight [B, T] float32 (1 kept, 0 rejected), keep [B, T] bool, metrics)``;
@@ -358,4 +362,7 @@ def combine_corrections(
 
 
 IS_WEIGHTS = (token_tis, sequence_tis)  # the corrections that reweight every token they keep
-REJECTIONS = (token_mis, sequence_mis, geo_rs, sequence_kl_rs)  # the corrections that drop tokens or sequences
+# The corrections that drop tokens or sequences -> the metric of the fraction of masked tokens each drops.
+REJECTED_TOKEN_FRACTION = {token_mis: "token_mis_masked_token_frac", sequence_mis: "seq_mis_masked_token_frac",
+                           geo_rs: "geo_rs_masked_token_frac", sequence_kl_rs: "seq_kl_rs_masked_token_frac"}
+REJECTIONS = tuple(REJECTED_TOKEN_FRACTION)

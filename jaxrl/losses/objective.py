@@ -79,7 +79,8 @@ class ObjectiveConfig:
       mismatch_correction ["none"]: "token-tis" / "seq-tis" (cap ``tis_cap`` 2),
         "token-mis" = "icepop" (band [1/mis_c_low, mis_c_high] = [0.5, 5]),
         "seq-mis" (cap ``seq_mis_cap`` 2, optional lower bound ``seq_mis_lower``), "geo-rs" ([geo_rs_lower,
-        geo_rs_upper] = [0.999, 1.001]), "seq-kl-rs" (a sequence's ``seq_kl_rs_aggregate`` ["mean"] of
+        geo_rs_upper] = [0.95, 1.05], wider than verl's [0.999, 1.001] so short responses are not all
+        rejected; docs/losses.md#the-geo-rs-band), "seq-kl-rs" (a sequence's ``seq_kl_rs_aggregate`` ["mean"] of
         ``seq_kl_rs_estimator`` ["k3"] above ``seq_kl_rs_threshold`` [0.01])
         (docs/losses.md#mismatch-corrections); needs ``rollout_logp``.
       mismatch_rejection ["none"]: a rejection (any correction but the TIS ones) applied together
@@ -123,8 +124,8 @@ class ObjectiveConfig:
     mis_c_high: float = 5.0
     seq_mis_cap: float = 2.0
     seq_mis_lower: float | None = None
-    geo_rs_lower: float = 0.999
-    geo_rs_upper: float = 1.001
+    geo_rs_lower: float = 0.95
+    geo_rs_upper: float = 1.05
     seq_kl_rs_estimator: Literal["k2", "k3"] = "k3"
     seq_kl_rs_aggregate: Literal["sum", "mean", "max"] = "mean"
     seq_kl_rs_threshold: float = 0.01
@@ -217,6 +218,20 @@ def _correction(config: ObjectiveConfig, name: str, old_logp, rollout_logp, mask
     correct, options = _CORRECTIONS[name]
     return correct(old_logp, rollout_logp, mask,
                    **{keyword: getattr(config, field) for keyword, field in options.items()})
+
+
+def active_rejections(config: ObjectiveConfig) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """The rejections ``config`` applies, each as ``(its ObjectiveConfig field, its name, the metric
+    of the fraction of masked tokens it drops, the ObjectiveConfig fields of its band)``: the
+    correction when it is a rejection, and ``mismatch_rejection``. The IS weights drop nothing."""
+    applied = [("mismatch_correction", config.mismatch_correction), ("mismatch_rejection", config.mismatch_rejection)]
+    out = []
+    for field, name in applied:
+        if name == "none" or name in _IS_LEVELS:
+            continue
+        correct, options = _CORRECTIONS[name]
+        out.append((field, name, corrections.REJECTED_TOKEN_FRACTION[correct], tuple(options.values())))
+    return out
 
 
 def is_batch_mean(config: ObjectiveConfig, old_logp: Array, rollout_logp: Array, mask: Array) -> Array:

@@ -64,6 +64,7 @@ from jaxrl.trainer.judges import build_reward_router, judge_cache_path
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_rl
 from jaxrl.trainer.metrics import StageClock
 from jaxrl.trainer.partial import PartialRolloutQueue
+from jaxrl.trainer.rejection_watch import RejectionWatch
 from jaxrl.trainer.rollouts import RolloutBatch, RolloutQueue, sampler_batch, staleness_metrics
 from jaxrl.trainer.update import build_optimizer, make_train_step, rl_loss_fn
 
@@ -128,6 +129,7 @@ class RLTrainer:
         self.step = 0
         self.skipped_updates = 0
         self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
+        self.rejections = RejectionWatch.for_objective(self.objective, self._warn)
         self.rollouts = self._rollout_queue()
         if self.rollouts.background and jax.process_count() > 1:
             raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness} runs with one JAX process only "
@@ -262,6 +264,7 @@ class RLTrainer:
         skip, filter_metrics = stages.batch_filter_stage(batch, objective)
         with clock("update"):
             update_metrics = self._update(batch, step, skip)
+        self.rejections.observe(step, {**filter_metrics, **update_metrics})
         # The oldest weights in the batch (partial rollouts mix versions within a sample).
         oldest = str(min(int(s.weight_version) for group in samples for s in group))
         self._verify_previous_push(oldest, batch, update_metrics)
@@ -419,8 +422,8 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
-        """Trains to ``config.steps`` (``jaxrl.trainer.lifecycle.run_rl``); returns the summary."""
-        return run_rl(self)
+        """Trains to ``config.steps`` (``lifecycle.run_rl``); returns the summary, ``rejection_watch``'s lines added."""
+        return self.rejections.add_to(run_rl(self))
 
     def close(self) -> None:
         if self.checkpointer is not None:
