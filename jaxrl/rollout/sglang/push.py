@@ -7,7 +7,8 @@ with the new ``weight_version``. ``method: tensor``, for servers on the learner'
 one JAX process: the same named tensors go to ``/update_weights_from_tensor`` through shared
 memory (``jaxrl.rollout.sglang.tensors``), no file written, in chunks (each server loads one
 while the next is copied; the version comes with the last); the pusher keeps them, so a
-server that restarts is given them again (``reload``). Then, either way, every server scores a
+server that restarts is given them again (``reload``), and one that restarts during a push is
+given the whole push again. Then, either way, every server scores a
 fixed probe sequence; its answer must name the new version and match the learner's own
 recompute of the probe. A mismatch is a ``PushVerificationError``.
 
@@ -188,6 +189,7 @@ class WeightPusher:
         self._recompute_fn = recompute_fn
         self._tensors_fn = tensors_fn
         self._last_version: str | None = None  # method tensor: the version in the buffers, for restarts
+        self._restarted_in_push: set[int] | None = None  # method tensor: servers that restarted during a push
         self._reload_lock = threading.Lock()
         self._reloading = threading.local()  # set while this thread reloads a restarted server
         if config.method == "tensor":
@@ -249,6 +251,9 @@ class WeightPusher:
         checkpoint on disk, so it is given the last pushed tensors again, in new shared files
         (``SharedTensors.renew``), and checked for their version. Called from the client's retry
         path, in one of its threads; a restart during the reload is left to this reload."""
+        if self._restarted_in_push is not None:  # a push is under way: it gives this server all of it again
+            self._restarted_in_push.add(index)
+            return
         version = self._last_version
         if version is None or getattr(self._reloading, "active", False):
             return
@@ -282,24 +287,38 @@ class WeightPusher:
     def _push_tensors(self, params, version: str) -> tuple[float, int]:
         """Method tensor: copies the tensors into the shared buffers a chunk at a time while every
         server loads the chunks already copied, in order. Returns when the last copy ended and
-        the number of chunks. A push that fails part-way leaves a server with some new tensors
-        under its old version; the error stops the run, and the next push replaces them all."""
+        the number of chunks. A server that restarts during the push (it comes back with the
+        checkpoint on disk, and its weight-update session is gone) is given the whole push again
+        once every chunk is copied, in new shared files, whether or not its own requests failed.
+        Any other failure stops the run, leaving a server with some new tensors under its old
+        version; the next push replaces them all."""
         channels = [queue.SimpleQueue() for _ in range(self.fleet.num_servers)]
-        chunks = 0
-        with concurrent.futures.ThreadPoolExecutor(self.fleet.num_servers) as pool:
-            loads = [pool.submit(self._load_tensors, i, iter(channel.get, None), version)
-                     for i, channel in enumerate(channels)]
-            try:
-                for chunk in self._shared.chunks(self._tensors_fn(params), int(self.config.chunk_mib * 2**20)):
-                    chunks += 1
+        chunks, failed = 0, {}
+        self._restarted_in_push = set()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(self.fleet.num_servers) as pool:
+                loads = [pool.submit(self._load_tensors, i, iter(channel.get, None), version)
+                         for i, channel in enumerate(channels)]
+                try:
+                    for chunk in self._shared.chunks(self._tensors_fn(params), int(self.config.chunk_mib * 2**20)):
+                        chunks += 1
+                        for channel in channels:
+                            channel.put(chunk)
+                finally:
                     for channel in channels:
-                        channel.put(chunk)
-            finally:
-                for channel in channels:
-                    channel.put(None)
-            copied = time.perf_counter()
-            for load in loads:
-                load.result()
+                        channel.put(None)
+                copied = time.perf_counter()
+                for i, load in enumerate(loads):
+                    if load.exception() is not None:
+                        failed[i] = load.exception()
+            restarted, self._restarted_in_push = self._restarted_in_push, None
+            for i, error in failed.items():
+                if i not in restarted:
+                    raise error
+            for i in sorted(restarted):
+                self._load_tensors(i, [(self._shared.renew(), True)], version)
+        finally:
+            self._restarted_in_push = None
         return copied, chunks
 
     def _load_tensors(self, index: int, chunks: Iterable[tuple[str, bool]], version: str) -> None:
