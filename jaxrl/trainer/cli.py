@@ -95,6 +95,7 @@ def _main(prog: str, what: str, argv: Sequence[str], trainer_module: str, traine
     # Imported after the config is valid: a config error is reported without loading JAX models.
     trainer_class = getattr(importlib.import_module(trainer_module), trainer_name)
     from jaxrl.reward import JudgeUnavailableError
+    from jaxrl.rollout.sglang.server import ServerStartError
     from jaxrl.trainer.checkpoint import CheckpointSaveError
     from jaxrl.trainer.guard import NonFiniteUpdateError
     from jaxrl.trainer.rl import PushVerificationError
@@ -104,7 +105,8 @@ def _main(prog: str, what: str, argv: Sequence[str], trainer_module: str, traine
     except (InputError, FileNotFoundError) as e:  # FileNotFoundError: --resume with no intact checkpoint
         print(f"jaxrl {prog}: {e}", file=sys.stderr)
         return 2
-    except (NonFiniteUpdateError, CheckpointSaveError, PushVerificationError, JudgeUnavailableError) as e:
+    except (NonFiniteUpdateError, CheckpointSaveError, PushVerificationError, JudgeUnavailableError,
+            ServerStartError) as e:
         print(f"jaxrl {prog}: {e}", file=sys.stderr)
         return 1
 

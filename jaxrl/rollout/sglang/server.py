@@ -34,6 +34,7 @@ import time
 
 import requests
 
+from jaxrl.errors import InputError
 from jaxrl.rollout.base import LogprobKind
 from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, is_loopback, redact, valid_key
 from jaxrl.rollout.sglang.fleet import ServedWeights
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 
 class ServerStartError(RuntimeError):
     """A server did not become healthy; the message names it and its log."""
+
+
+class PortInUseError(ServerStartError, InputError):
+    """A server's port is taken before it starts: the config's to change (exit 2 at the command line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +369,7 @@ class ServerManager(ServedWeights):
             try:
                 sock.bind((self.config.host, server.port))
             except OSError as err:
-                raise ServerStartError(
+                raise PortInUseError(
                     f"{self.describe(server.index)}: port {server.port} is taken ({err}); choose "
                     "another ServerConfig.base_port or stop what listens there") from None
 
