@@ -56,17 +56,22 @@ def _cause(error: BaseException) -> str:
 class CheckpointConfig:
     """directory: where checkpoints go ("" disables them); every: save each N steps (and at the end);
     keep: how many to keep; async_save: write in the background; export_hf: a folder for a final
-    Hugging Face export ("" = none)."""
+    Hugging Face export ("" = none); stop_timeout_s: after SIGTERM or SIGINT the run finishes its
+    step and saves; one still running this many seconds later is stuck (a hung server, a full
+    disk) and exits without saving, naming where it was (``jaxrl.trainer.lifecycle.StopSignals``)."""
 
     directory: str = ""
     every: int = 50
     keep: int = 2
     async_save: bool = True
     export_hf: str = ""
+    stop_timeout_s: float = 600.0
 
     def __post_init__(self):
         if self.every < 1 or self.keep < 1:
             raise ValueError(f"checkpoint.every ({self.every}) and checkpoint.keep ({self.keep}) must be >= 1")
+        if self.stop_timeout_s <= 0:
+            raise ValueError(f"checkpoint.stop_timeout_s must be > 0 seconds, got {self.stop_timeout_s}")
 
 
 def _abstract(tree):

@@ -1,9 +1,11 @@
 """``jaxrl train CONFIG [key=value ...] [--resume | --overwrite]`` and the same for ``jaxrl sft``.
 
-Exit status: 0 done; 2 a bad config, file, folder or row (one line naming it) or an earlier
-run in the way; 128 + N stopped by signal N (SIGTERM 143, SIGINT 130) after saving a
-checkpoint; 1 a failure during training (non-finite updates, a failed checkpoint write, a
-failed push check), with a one-line cause.
+Exit status: 0 done; 2 a bad config, file, folder or row (one line naming it), an earlier
+run in the way or another run holding ``output_dir``; 128 + N stopped by signal N (SIGTERM 143,
+SIGINT 130) after saving a checkpoint, or without saving when the step was still running
+``checkpoint.stop_timeout_s`` after the signal; 1 a failure during training (non-finite
+updates, a failed checkpoint or metrics write, a failed push check, an SGLang server that never
+became healthy), with a one-line cause.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ def _run(prog: str, trainer_class, config, args) -> int:
     """Builds and runs the trainer; with several processes a failure in one stops them all (a
     stop on a signal is no failure: every process stops after the same step and returns)."""
     from jaxrl import distributed
-    from jaxrl.trainer.lifecycle import TrainingInterrupted
+    from jaxrl.trainer.lifecycle import RunLock, TrainingInterrupted
 
-    with distributed.stop_all_on_failure():
+    with distributed.stop_all_on_failure(), RunLock(config.output_dir):
         trainer = trainer_class(config, resume=args.resume, overwrite=args.overwrite)
         try:
             summary = trainer.run()
@@ -98,6 +100,7 @@ def _main(prog: str, what: str, argv: Sequence[str], trainer_module: str, traine
     from jaxrl.rollout.sglang.server import ServerStartError
     from jaxrl.trainer.checkpoint import CheckpointSaveError
     from jaxrl.trainer.guard import NonFiniteUpdateError
+    from jaxrl.trainer.metrics import MetricsWriteError
     from jaxrl.trainer.rl import PushVerificationError
 
     try:
@@ -106,7 +109,7 @@ def _main(prog: str, what: str, argv: Sequence[str], trainer_module: str, traine
         print(f"jaxrl {prog}: {e}", file=sys.stderr)
         return 2
     except (NonFiniteUpdateError, CheckpointSaveError, PushVerificationError, JudgeUnavailableError,
-            ServerStartError) as e:
+            ServerStartError, MetricsWriteError) as e:
         print(f"jaxrl {prog}: {e}", file=sys.stderr)
         return 1
 

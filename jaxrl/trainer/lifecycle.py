@@ -13,11 +13,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import signal
+import socket
+import sys
+import time
 import threading
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -81,7 +86,11 @@ def previous_run(output_dir: str, checkpoint_directory: str) -> list[str]:
 
 
 def check_fresh_start(output_dir: str, checkpoint_directory: str, *, resume: bool, overwrite: bool) -> None:
-    """Refuses (RunExistsError) to start afresh over an earlier run, unless resuming or overwriting."""
+    """Refuses (RunExistsError) to start afresh over an earlier run, unless resuming or overwriting;
+    refuses to resume without a checkpoint folder to resume from (InputError)."""
+    if resume and not checkpoint_directory:
+        raise InputError("--resume needs checkpoint.directory (empty in this config): set it to the folder the run "
+                         "saved its checkpoints in, e.g. checkpoint.directory=runs/x/checkpoints")
     if resume or overwrite:
         return
     found = previous_run(output_dir, checkpoint_directory)
@@ -114,19 +123,85 @@ def clear_previous_run(output_dir: str, checkpoint_directory: str) -> None:
                     f" and {checkpoint_directory}" if checkpoint_directory else "")
 
 
+class RunLockedError(InputError):
+    """Another process is running in the same ``output_dir``."""
+
+
+def _unwritable(folder: str, error: OSError) -> InputError:
+    return InputError(f"cannot write in output_dir={folder}: {error.strerror or error}; choose a folder this user "
+                      f"can write, with free space")
+
+
+class RunLock:
+    """Context manager: holds ``output_dir/run.lock`` for the run, so a second run on the same
+    folder (two launches of one command, a retry while the first still runs) is refused at once
+    instead of both writing the metrics and the checkpoints.
+
+    The lock is ``flock`` on the file, which the kernel releases when the process ends however it
+    ends (SIGKILL and OOM included): a file left by a dead run is never in the way, and there is
+    no stale lock to break. The file holds the holder's pid, host and start time, for the
+    message. ``flock`` is local to a host; on NFS and most network file systems it is not shared
+    between hosts, so two hosts can still start runs on one shared folder. With several JAX
+    processes each holds its own folder (``process-<i>`` below the main one's).
+    """
+
+    def __init__(self, output_dir: str):
+        self.path = os.path.join(output_dir, "run.lock")
+        self._file = None
+
+    def __enter__(self) -> "RunLock":
+        import fcntl
+
+        folder = os.path.dirname(self.path)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            handle = open(self.path, "a+")
+        except OSError as e:
+            raise _unwritable(folder, e) from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "a process that has not written its name yet"
+            handle.close()
+            raise RunLockedError(f"another run is using {folder} ({holder}, holding {self.path}); wait for it "
+                                 f"to end or choose another output_dir") from None
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            handle.flush()
+        except OSError as e:
+            with contextlib.suppress(OSError):  # closing flushes the line that did not fit
+                handle.close()
+            raise _unwritable(folder, e) from None
+        self._file = handle
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()  # closing releases the flock
+            self._file = None
+
+
 class StopSignals:
     """Context manager: SIGTERM/SIGINT set a stop request instead of killing the process.
 
     ``requested()`` is called between steps; it returns the signal number (agreed by every
     process) or None. Handlers are installed only in the main thread (Python delivers signals
     there); elsewhere the default behaviour stays. A second SIGINT raises KeyboardInterrupt.
+    A run still going ``timeout_s`` after the first signal is stuck where no step boundary comes
+    (a reward or server that never answers, a write that blocks): a watchdog thread then prints
+    where the main thread is and ends the process with ``128 + signal``, without saving.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, timeout_s: float = 600.0):
         self.signum: int | None = None
+        self.timeout_s = timeout_s
         self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -135,6 +210,8 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -142,9 +219,26 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        first = self.signum is None
         self.signum = signum
         log.warning("received %s: finishing the current step, then saving and stopping (Ctrl-C again stops now)",
                     signal.Signals(signum).name)
+        if first:
+            self._watchdog = threading.Timer(self.timeout_s, self._give_up, args=(signum, threading.get_ident()))
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _give_up(self, signum: int, main_thread: int) -> None:
+        frame = sys._current_frames().get(main_thread)
+        where = "unknown"
+        if frame is not None:
+            stack = traceback.extract_stack(frame)
+            ours = [f for f in stack if f"{os.sep}jaxrl{os.sep}" in f.filename] or stack
+            where = f"{ours[-1].filename}:{ours[-1].lineno} in {ours[-1].name}"
+        print(f"jaxrl: still running {self.timeout_s:g} s after {signal.Signals(signum).name} "
+              f"(checkpoint.stop_timeout_s), stuck at {where}; exiting without saving: --resume continues from "
+              f"the last checkpoint", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     def requested(self) -> int | None:
         local = self.signum or 0
@@ -199,7 +293,7 @@ def run_rl(trainer) -> dict[str, Any]:
                            progress=config.logging.progress, tensorboard=config.logging.tensorboard)
     summary: dict[str, Any] = {}
     try:
-        with StopSignals() as stop:
+        with StopSignals(config.checkpoint.stop_timeout_s) as stop:
             if trainer.step == 0 and trainer.eval_examples:
                 start = trainer.evaluate()
                 summary["heldout_start"] = start.get("heldout/reward")

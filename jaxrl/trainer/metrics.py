@@ -53,46 +53,94 @@ def read_jsonl(path: str) -> list[dict]:
     return rows
 
 
+class MetricsWriteError(RuntimeError):
+    """The run's metrics or TensorBoard events could not be written (a full disk, a lost mount);
+    the message names ``output_dir`` and the file."""
+
+
+class _TensorBoard:
+    """Scalars as TensorBoard events, written and flushed in the caller's thread.
+
+    tensorboardX's ``SummaryWriter`` hands events to a writer thread through a queue of 10; when a
+    write fails (a full disk) that thread dies, and the next ``add_scalar`` waits on the full queue
+    for ever: the run hung, SIGTERM and all. Written here, a failed write raises where it happens.
+    On resume, a ``SessionLog.START`` at ``purge_step`` tells TensorBoard to drop the earlier
+    run's events from that step on (as ``SummaryWriter(purge_step=...)`` does).
+    """
+
+    def __init__(self, folder: str, purge_step: int | None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2
+
+        os.makedirs(folder, exist_ok=True)
+        self._event_pb2 = event_pb2
+        self._writer = EventsWriter(os.path.join(folder, "events"))
+        if purge_step is not None:
+            self._writer.write_event(event_pb2.Event(step=purge_step, session_log=event_pb2.SessionLog(
+                status=event_pb2.SessionLog.START)))
+        self.path = folder
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        from tensorboardX.summary import scalar
+
+        for name, value in values.items():
+            self._writer.write_event(self._event_pb2.Event(wall_time=time.time(), step=step,
+                                                           summary=scalar(name, value)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsLogger:
     """Writes scalar metrics per step. ``log(step, metrics)``; ``close()`` at the end.
 
     logdir: folder for ``metrics.jsonl`` and TensorBoard events (``tb/``).
     start_step: the step training continues from (0 for a fresh run).
+    A write that fails (a full disk) raises ``MetricsWriteError`` naming ``logdir`` and the file.
     """
 
     def __init__(self, logdir: str, total_steps: int, *, start_step: int = 0, progress: bool = True,
                  tensorboard: bool = True):
-        os.makedirs(logdir, exist_ok=True)
         self.logdir = logdir
         self.jsonl_path = os.path.join(logdir, "metrics.jsonl")
-        kept = [row for row in read_jsonl(self.jsonl_path) if row.get("step", 0) <= start_step]
-        with open(self.jsonl_path, "w") as f:
-            for row in kept:
-                f.write(json.dumps(row) + "\n")
-        self._jsonl = open(self.jsonl_path, "a")
-        self._tb = None
+        self._jsonl = self._tb = self._bar = None
+        with self._writing(self.jsonl_path):
+            os.makedirs(logdir, exist_ok=True)
+            kept = [row for row in read_jsonl(self.jsonl_path) if row.get("step", 0) <= start_step]
+            with open(self.jsonl_path, "w") as f:
+                for row in kept:
+                    f.write(json.dumps(row) + "\n")
+            self._jsonl = open(self.jsonl_path, "a")
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(logdir, "tb"), purge_step=start_step + 1 if start_step else None)
-        self._bar = None
+            with self._writing(os.path.join(logdir, "tb")):
+                self._tb = _TensorBoard(os.path.join(logdir, "tb"), start_step + 1 if start_step else None)
         if progress:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    @contextlib.contextmanager
+    def _writing(self, path: str):
+        try:
+            yield
+        except OSError as e:
+            raise MetricsWriteError(f"cannot write the run's metrics in output_dir={self.logdir} ({path}): "
+                                    f"{e.strerror or e}; free space there or choose another output_dir") from None
 
     def log(self, step: int, metrics: Mapping[str, object]) -> dict:
         """Writes finite scalar metrics of ``step``; returns the row written."""
         row = {"step": int(step)}
         for name, value in sorted(metrics.items()):
             scalar = _scalar(value)
-            if scalar is None:
-                continue
-            row[name] = scalar if math.isfinite(scalar) else None
-            if self._tb is not None and math.isfinite(scalar):
-                self._tb.add_scalar(name, scalar, global_step=step)
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
+            if scalar is not None:
+                row[name] = scalar if math.isfinite(scalar) else None
+        with self._writing(self.jsonl_path):
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            with self._writing(self._tb.path):
+                self._tb.scalars(int(step), {k: v for k, v in row.items() if k != "step" and v is not None})
         if self._bar is not None:
             # The bar shows the step reached: the held-out evaluation logged at step 0 is no step.
             self._bar.update(max(int(step) - self._bar.n, 0))
@@ -107,11 +155,12 @@ class MetricsLogger:
             print(message, flush=True)
 
     def close(self) -> None:
-        self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._bar is not None:
-            self._bar.close()
+        """Closes the files; one that cannot be flushed any more (the disk filled) is closed without
+        a second error, the first having been raised by ``log``."""
+        for thing in (self._jsonl, self._tb, self._bar):
+            if thing is not None:
+                with contextlib.suppress(OSError):
+                    thing.close()
 
 
 class StageClock:

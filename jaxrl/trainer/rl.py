@@ -397,10 +397,7 @@ class RLTrainer:
             self.checkpointer.save(self.step, self.state, self._meta(), items)
 
     def _restore(self) -> None:
-        if self.checkpointer is None:
-            raise ValueError("--resume needs checkpoint.directory (empty in this config): set it to the folder "
-                             "the run saved its checkpoints in, e.g. checkpoint.directory=runs/x/checkpoints")
-        if self.critic is None:
+        if self.critic is None:  # a checkpointer exists: check_fresh_start refused --resume without one
             self.state, meta = self.checkpointer.restore(self.state)
         else:
             try:

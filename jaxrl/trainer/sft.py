@@ -75,9 +75,6 @@ class SFTTrainer:
         self._stage_index = -1
         self.iterator: BatchIterator | None = None
         if resume:
-            if self.checkpointer is None:
-                raise ValueError("--resume needs checkpoint.directory (empty in this config): set it to the folder "
-                                 "the run saved its checkpoints in, e.g. checkpoint.directory=runs/x/checkpoints")
             self.state, meta = self.checkpointer.restore(self.state)
             self.step = int(meta["step"])
             if "guard" in meta:  # absent in checkpoints written before the update guard existed
@@ -157,7 +154,7 @@ class SFTTrainer:
         logger = MetricsLogger(config.output_dir, self.total_steps, start_step=self.step,
                                progress=config.logging.progress, tensorboard=config.logging.tensorboard)
         try:
-            with StopSignals() as stop:
+            with StopSignals(self.config.checkpoint.stop_timeout_s) as stop:
                 while self.step < self.total_steps:
                     metrics = self.train_step_once()
                     logger.log(self.step, metrics)
