@@ -22,6 +22,9 @@ reported with its path and the cause, moved aside as ``<step>.damaged`` (kept fo
 of the way of the step's next save), and the newest intact one is restored instead. A save
 that fails, in the foreground or in the background, raises ``CheckpointSaveError`` naming the
 folder and the cause at the first check after it failed (the loop checks after every step).
+Orbax's own reports of that failure (each background thread logs its traceback, and asyncio the
+futures left behind: hundreds of lines for one full disk) are kept off the terminal, at DEBUG
+under this module's logger: the one line is the report (``_OrbaxFailureReports``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
+import traceback
+import warnings
 from typing import Any
 
 import jax
@@ -50,6 +56,62 @@ def _cause(error: BaseException) -> str:
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+class _OrbaxFailureReports(logging.Filter):
+    """Holds back Orbax's reports of a failed save, once this process has a Checkpointer: ERROR
+    records that Orbax's code logs (on the ``absl`` logger: one traceback per background thread)
+    or that asyncio logs about Orbax's futures and tasks left unretrieved, and the teardown noise
+    of those futures ("Event loop is closed" raised in tensorstore's callbacks; once a failure was
+    seen, "coroutine was never awaited" warnings). Each is kept at DEBUG under this module's logger.
+
+    ``failed`` is also the signal that a background save has failed: Orbax has no way to ask
+    short of waiting for the save, so the step boundary after it waits (briefly: the save is
+    failing) and raises, instead of training on until the save winds down. It is cleared when a
+    save starts. The filter stays for the life of the process: asyncio reports a future when it
+    is collected, which can be after the run has closed its checkpoints."""
+
+    LOGGERS = ("absl", "asyncio")
+    _ORBAX = f"{os.sep}orbax{os.sep}checkpoint{os.sep}"
+
+    def __init__(self):
+        super().__init__()
+        self.installed = False
+        self.failed: str | None = None
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        self.installed = True
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        previous = sys.unraisablehook
+
+        def hook(unraisable):  # tensorstore's callbacks into the loop of a save that failed
+            if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+                log.debug("held back: %r in %r", unraisable.exc_value, unraisable.object)
+                return
+            previous(unraisable)
+
+        sys.unraisablehook = hook
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+        if self._ORBAX not in (record.pathname if record.name == "absl" else text):
+            return True
+        if self.failed is None:
+            self.failed = text.splitlines()[0]
+            # The failed save's coroutines are never awaited; Python warns of each as they are collected.
+            warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
+        log.debug("held back from %s: %s", record.name, text)
+        return False
+
+
+_FAILURE_REPORTS = _OrbaxFailureReports()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +153,7 @@ class Checkpointer:
         self._pending: int | None = None  # the step of a save started and not yet waited for
         # A URL (gs://bucket/run) goes to Orbax as given; abspath would turn it into a local "gs:/" folder.
         self.directory = config.directory if "://" in config.directory else os.path.abspath(config.directory)
+        _FAILURE_REPORTS.install()
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -112,6 +175,7 @@ class Checkpointer:
         if self._pending is not None:
             self.wait()
         self._pending = step
+        _FAILURE_REPORTS.failed = None
         extra = {name: ocp.args.StandardSave(tree) for name, tree in (items or {}).items()}
         try:
             self._manager.save(
@@ -126,8 +190,11 @@ class Checkpointer:
         """Raises CheckpointSaveError when a background save has failed since the last check.
 
         Orbax keeps a failure of its finalising thread until the next save or wait, so a save
-        that is no longer in progress is waited for here (at no cost: it is done)."""
-        if self._pending is not None and not self._manager.is_saving_in_progress():
+        that is no longer in progress, or one of whose threads has reported a failure, is waited
+        for here (at little cost: it is done, or failing)."""
+        if self._pending is None:
+            return
+        if _FAILURE_REPORTS.failed is not None or not self._manager.is_saving_in_progress():
             self.wait()
 
     def _save_error(self, error: BaseException, step: int | None = None) -> CheckpointSaveError:

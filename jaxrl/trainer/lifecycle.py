@@ -127,9 +127,27 @@ class RunLockedError(InputError):
     """Another process is running in the same ``output_dir``."""
 
 
-def _unwritable(folder: str, error: OSError) -> InputError:
-    return InputError(f"cannot write in output_dir={folder}: {error.strerror or error}; choose a folder this user "
+def _unwritable(folder: str, error: OSError, key: str = "output_dir") -> InputError:
+    return InputError(f"cannot write in {key}={folder}: {error.strerror or error}; choose a folder this user "
                       f"can write, with free space")
+
+
+def check_writable(folder: str, key: str) -> None:
+    """Makes a local ``folder`` and writes a file in it, so a folder this user cannot write (or a
+    full disk) is named under its config ``key`` before the first step, not in a traceback from
+    the first save. A URL (``gs://``) is left to its storage client."""
+    import tempfile
+
+    if "://" in folder:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder) as probe:
+            probe.write(b"jaxrl")
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as e:
+        raise _unwritable(folder, e, key) from None
 
 
 class RunLock:
@@ -257,7 +275,10 @@ def open_run(config, *, resume: bool, overwrite: bool):
     if overwrite and not resume:
         clear_previous_run(config.output_dir, config.checkpoint.directory)
     os.makedirs(config.output_dir, exist_ok=True)
-    return Checkpointer(config.checkpoint) if config.checkpoint.directory else None
+    if not config.checkpoint.directory:
+        return None
+    check_writable(config.checkpoint.directory, "checkpoint.directory")
+    return Checkpointer(config.checkpoint)
 
 
 def end_step(stop: StopSignals, checkpointer: Checkpointer | None, step: int, save: Callable[[], None],

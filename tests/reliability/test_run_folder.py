@@ -7,9 +7,11 @@ imports this module: keep its imports light.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -137,3 +139,55 @@ def test_resume_without_a_checkpoint_folder(tmp_path, run_config, capfd):
     assert capfd.readouterr().err.strip() == (
         "jaxrl train: --resume needs checkpoint.directory (empty in this config): set it to the folder the run "
         "saved its checkpoints in, e.g. checkpoint.directory=runs/x/checkpoints")
+
+
+def test_a_checkpoint_disk_that_fills_is_one_line_and_stops_the_run(tmp_path, run_config, small_disk):
+    """Before: 377 lines on the terminal (each of Orbax's threads logged its traceback, asyncio its
+    unretrieved futures) and the run trained two steps past the failed save. Now the one line
+    names the folder, the failed save's step and the cause, and the run stops by the next save."""
+    disk = small_disk(1900)  # about 100 KiB left: less than one checkpoint of the tiny model
+    config = _write(tmp_path, run_config(tmp_path / "out", steps=8, checkpoint={"directory": str(disk / "ck"),
+                                                                                "every": 2}))
+    run = _train(config)
+    _, err = run.communicate(timeout=240)
+    assert run.returncode == 1, err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"jaxrl train: writing checkpoint of step 2 to {disk}/ck failed: "), err
+    assert "No space left on device" in err and err.endswith("then --resume\n"), err
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert steps[-1] in (2, 3, 4), steps
+
+
+def _as_nobody(command: list[str]) -> list[str]:
+    """``command`` as uid/gid 65534 without root's right to write anywhere (it keeps the right to
+    read, so the interpreter and the repository stay readable)."""
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=+dac_read_search",
+            "--ambient-caps=+dac_read_search", *command]
+
+
+@pytest.mark.parametrize("exists", [True, False], ids=["existing folder", "folder to make"])
+def test_a_checkpoint_folder_this_user_cannot_write_is_named_at_the_start(run_config, exists):
+    """Before (as a user without root): a PermissionError traceback from Orbax making the folder, exit 1."""
+    if os.geteuid() != 0 or subprocess.run(_as_nobody(["true"])).returncode != 0:
+        pytest.skip("switching to an unprivileged user needs root and setpriv")
+    base = tempfile.mkdtemp()  # a folder the user can reach, as their own would be (pytest's are root's only)
+    try:
+        roots = os.path.join(base, "roots")  # the user's folders sit in root's, which they cannot write
+        os.makedirs(os.path.join(roots, "ck"))
+        theirs = os.path.join(base, "theirs")
+        os.mkdir(theirs)
+        os.chown(theirs, 65534, 65534)
+        os.chmod(base, 0o755)
+        checkpoints = os.path.join(roots, "ck" if exists else "new")
+        config = os.path.join(base, "config.json")
+        with open(config, "w") as f:
+            json.dump(run_config(os.path.join(theirs, "out"), checkpoint={"directory": checkpoints}), f)
+        env = {key: value for key, value in os.environ.items() if key != "JAX_COMPILATION_CACHE_DIR"}
+        run = subprocess.run(_as_nobody([sys.executable, "-m", "jaxrl.cli", "train", config]), capture_output=True,
+                             text=True, timeout=240, env={**env, "HOME": theirs})
+        assert run.returncode == 2, run.stderr
+        assert run.stderr == (f"jaxrl train: cannot write in checkpoint.directory={checkpoints}: Permission "
+                              f"denied; choose a folder this user can write, with free space\n")
+        assert os.listdir(roots) == ["ck"] and os.listdir(os.path.join(roots, "ck")) == []
+    finally:
+        shutil.rmtree(base)

@@ -338,8 +338,9 @@ def test_a_failed_checkpoint_write_stops_the_run_by_the_next_save(run_config, tm
     (~180 KB with Adam's moments); where mounting is not allowed, Orbax's write raises ENOSPC.
     The run stops at the first step boundary after the background write fails, at the latest when
     the next save starts, with the folder, the failed save's step (2) and the cause in one line.
-    ``slow write`` keeps the write "in progress" at every step boundary, as on a loaded machine,
-    so the failure must surface when step 4's save starts.
+    ``slow write`` keeps the write "in progress" at every step boundary, as on a loaded machine:
+    the failure surfaces when one of Orbax's threads has reported it (step 3's boundary, if it
+    has by then) or when step 4's save starts.
     """
     import orbax.checkpoint as ocp
 
@@ -366,7 +367,7 @@ def test_a_failed_checkpoint_write_stops_the_run_by_the_next_save(run_config, tm
         assert "\n" not in str(error.value)
         steps = [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))]
         if slow_write:
-            assert steps == [1, 2, 3, 4]
+            assert steps in ([1, 2, 3], [1, 2, 3, 4])
         else:
             assert steps in ([1, 2], [1, 2, 3], [1, 2, 3, 4])
     finally:
