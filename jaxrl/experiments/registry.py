@@ -3,6 +3,11 @@
 An experiment is its config (``configs/experiments/NAME.yaml`` over ``common.yaml``), the axes
 of its grid (keys of that config) and the analysis that turns its runs into claims and figures
 (docs/experiments.md).
+
+A grid stopped part-way continues when the same command runs again: each finished run's record
+is kept (``runner.run_cell``), the run that was cut short starts afresh. SIGTERM or Ctrl-C stop
+it after the current step with one line saying so (exit 128 + the signal); one invocation at a
+time holds ``--out`` (``out/run.lock``): a second is refused, exit 2.
 """
 
 from __future__ import annotations
@@ -10,11 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import time
 from typing import Callable
 
+from jaxrl.errors import InputError
 from jaxrl.experiments import analyses, kl, report, runner
+from jaxrl.trainer.lifecycle import RunLock, TrainingInterrupted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
     parser.add_argument("--out", default=None, help="output folder (default runs/experiments/NAME)")
     args = parser.parse_args(argv)
-    run(args.name, args.out or os.path.join("runs", "experiments", args.name), quick=args.quick, steps=args.steps)
+    out = args.out or os.path.join("runs", "experiments", args.name)
+    try:
+        with RunLock(out):
+            run(args.name, out, quick=args.quick, steps=args.steps)
+    except InputError as e:
+        print(f"jaxrl experiment: {e}", file=sys.stderr)
+        return 2
+    except TrainingInterrupted as e:
+        print(f"jaxrl experiment: stopped by {signal.Signals(e.signum).name}; the same command continues the grid "
+              f"(finished runs are kept, a run cut short starts afresh)", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

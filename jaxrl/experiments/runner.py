@@ -23,6 +23,7 @@ import time
 import yaml
 
 from jaxrl.demo import CONFIG_DIR, run_sft, write_demo_files
+from jaxrl.trainer.lifecycle import StopSignals, TrainingInterrupted
 
 EXPERIMENT_CONFIGS = os.path.join(CONFIG_DIR, "experiments")
 
@@ -154,16 +155,20 @@ def run_cell(root: str, spec: dict, cell: Cell, seed: int, steps: int, out: str,
 
 def run_grid(spec: dict, axes: tuple[str, ...], out: str, *, quick: bool, steps: int | None,
              log=print) -> tuple[str, list[dict]]:
-    """Every cell x seed of the grid; returns (the demo root, the runs' records), also in out/runs.json."""
+    """Every cell x seed of the grid; returns (the demo root, the runs' records), also in out/runs.json.
+
+    SIGTERM or SIGINT during a run stop it after its step (TrainingInterrupted); one that comes
+    between two runs stops the grid before the next."""
     os.makedirs(out, exist_ok=True)
-    start = time.perf_counter()
-    root = prepare(out, spec["setup"])
-    log(f"[experiment] SFT warm-up ready in {time.perf_counter() - start:.0f} s ({root}/sft/hf)")
     seeds = spec["seeds"][:1] if quick else spec["seeds"]
     steps = int(steps or spec["steps"])
     records = []
-    for cell in cells(spec, axes, quick):
-        for seed in seeds:
+    with StopSignals() as stop:
+        start = time.perf_counter()
+        root = prepare(out, spec["setup"])
+        log(f"[experiment] SFT warm-up ready in {time.perf_counter() - start:.0f} s ({root}/sft/hf)")
+        for cell, seed in itertools.product(cells(spec, axes, quick), seeds):
+            _stop_if_asked(stop)
             # The KL experiment's gradient study reads one run's final policy: that run exports it.
             export = os.path.join(out, "runs", *cell.name.split("/"), f"seed{seed}", "hf")
             wanted = cell.name == spec.get("gradient_policy") and seed == seeds[0]
@@ -175,9 +180,16 @@ def run_grid(spec: dict, axes: tuple[str, ...], out: str, *, quick: bool, steps:
             kept = " (kept from an earlier run into this folder)" if record["kept"] else ""
             log(f"[experiment] {cell.name} seed {seed}: held-out {record['heldout_start']:.3f} -> "
                 f"{record['heldout_end']:.3f} in {record['seconds']:.0f} s{kept}")
+        _stop_if_asked(stop)
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(records, f, indent=1)
     return root, records
+
+
+def _stop_if_asked(stop: StopSignals) -> None:
+    signum = stop.requested()
+    if signum is not None:
+        raise TrainingInterrupted(signum, 0, "")
 
 
 __all__ = ["Cell", "cells", "load_spec", "prepare", "run_cell", "run_config", "run_grid"]

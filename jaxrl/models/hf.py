@@ -359,8 +359,10 @@ def save_hf_checkpoint(model: Decoder, path: str) -> None:
     if distributed.is_main_process():
         os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(path, "config.json"), "w") as f:
+        # config.json last and whole (renamed into place): a folder with one holds a complete checkpoint.
+        with open(os.path.join(path, "config.json.tmp"), "w") as f:
             json.dump(config.to_hf(), f, indent=2, sort_keys=True)
+        os.replace(os.path.join(path, "config.json.tmp"), os.path.join(path, "config.json"))
     if jax.process_count() > 1:
         # The others may read the folder next (a push to an inference server): not before it is written.
         multihost_utils.sync_global_devices(f"jaxrl save_hf_checkpoint {path}")
