@@ -23,7 +23,8 @@ judged the batch untrustworthy, and a skipped step changes no learner state at a
 Metrics: ``critic/values_mean`` and ``critic/explained_variance`` (the values the batch was
 scored with against its returns, verl's ``vf_explained_var``), ``critic/value_loss``,
 ``critic/vf_clip_frac``, ``critic/value_error``, ``critic/grad_norm``, ``critic/relative_size``,
-``critic/nonfinite``, ``critic/lr``, ``critic/warmup``; ``advantage/raw_mean``,
+``critic/nonfinite``, ``critic/nonfinite_skips``, ``critic/spike_warnings`` (its update guard's
+counts, ``jaxrl.trainer.guard``), ``critic/lr``, ``critic/warmup``; ``advantage/raw_mean``,
 ``advantage/raw_std`` (before whitening), ``advantage/returns_mean``,
 ``advantage/token_reward_sum`` (mean per valid sample, after any KL penalty).
 """
@@ -31,6 +32,7 @@ scored with against its returns, verl's ``vf_explained_var``), ``critic/value_lo
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +50,7 @@ from jaxrl.models.value import ValueModel
 from jaxrl.reward import ScoredBatch
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
 from jaxrl.trainer.config import TrainConfig
+from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.update import accumulate, build_optimizer, make_train_step
 
 # The train step's metric names -> the logged critic/ names (the rest of the loss's are dropped).
@@ -122,9 +125,11 @@ class Critic:
     ``jaxrl.models.value``) with its own AdamW state and TrainStep on the learner's ``mesh``,
     and the stages of the module docstring. ``state`` is what checkpoints save."""
 
-    def __init__(self, config: TrainConfig, decoder: Decoder, mesh: jax.sharding.Mesh):
+    def __init__(self, config: TrainConfig, decoder: Decoder, mesh: jax.sharding.Mesh, warn: Callable[[str], None]):
         c, u = config.critic, config.update
         self.config, self.mesh = config, mesh
+        # Its own update guard: a critic whose every update is skipped stops the run as the policy's would.
+        self.guard = UpdateGuard(u.max_consecutive_skips, u.spike_factor, warn, prefix="critic")
         self.warmup_steps = c.warmup_steps
         optimizer, self.schedule = build_optimizer(c.optimizer(), config.steps * u.mini_batches)
         self.train_step, self.state = make_train_step(
@@ -187,16 +192,20 @@ class Critic:
         return batch, metrics
 
     # ------------------------------------------------------------ update
-    def update(self, mini: UpdateBatch) -> dict[str, float]:
+    def update(self, mini: UpdateBatch, step: int) -> dict[str, float]:
         """One critic step on a policy mini-batch (host arrays): its rows, its micro-batch split,
-        the token-mean normaliser of its own mask. Returns the step's metrics, unprefixed."""
+        the token-mean normaliser of its own mask, judged by the critic's guard (NonFiniteUpdateError
+        after ``update.max_consecutive_skips`` skipped updates in a row). Returns the step's
+        metrics, unprefixed."""
         tokens = mini.tokens.replace(rollout_logp=None, old_logp=None, ref_logp=None, advantages=None,
                                      routed_experts=None)
         normalizer = np.float32(loss_normalizer("token-mean", jnp.asarray(tokens.mask)))
         view = mini.replace(tokens=tokens, normalizer=normalizer, cov_selection=None)
         view = jax.device_put(view, batch_shardings(view, self.mesh))
         self.state, metrics = self.train_step(self.state, view)
-        return jax.device_get(metrics)
+        metrics = jax.device_get(metrics)
+        self.guard.check(step, metrics)
+        return metrics
 
     def update_metrics(self, collected: list[dict], step: int, frozen: bool) -> dict[str, float]:
         """The step's ``critic/`` update metrics: each averaged over its mini-batches (none when
@@ -206,4 +215,4 @@ class Critic:
                if collected and key in collected[0]}
         out["critic/lr"] = float(self.schedule(max(step * u.mini_batches - 1, 0)))
         out["critic/warmup"] = float(frozen)
-        return out
+        return {**out, **self.guard.metrics()}

@@ -35,7 +35,10 @@ class UpdateGuard:
     WINDOW = 20  # recent finite gradient norms the spike test compares against
     MIN_HISTORY = 5  # no spike verdict before this many finite updates
 
-    def __init__(self, max_consecutive_skips: int, spike_factor: float, warn: Callable[[str], None]):
+    def __init__(self, max_consecutive_skips: int, spike_factor: float, warn: Callable[[str], None],
+                 prefix: str = "update"):
+        self.prefix = prefix  # of its metrics; "critic" watches the critic's updates, named so in messages
+        self._whose, self._lr_key = ("the critic's ", "critic.lr") if prefix == "critic" else ("", "optimizer.lr")
         self.max_consecutive_skips = max_consecutive_skips
         self.spike_factor = spike_factor
         self.warn = warn
@@ -51,15 +54,16 @@ class UpdateGuard:
         if float(metrics["update/nonfinite"]) > 0:
             self.consecutive_skips += 1
             self.skipped_total += 1
-            self.warn(f"step {step}: skipped an update with loss={loss:.4g}, grad_norm={grad_norm:.4g} (not finite); "
-                      f"parameters and optimizer state kept ({self.consecutive_skips} in a row, "
+            self.warn(f"step {step}: skipped {self._whose}update with loss={loss:.4g}, grad_norm={grad_norm:.4g} "
+                      f"(not finite); parameters and optimizer state kept ({self.consecutive_skips} in a row, "
                       f"{self.skipped_total} in all)")
             if self.consecutive_skips >= self.max_consecutive_skips:
                 raise NonFiniteUpdateError(
-                    f"step {step}: {self.consecutive_skips} optimizer updates in a row had a non-finite loss, "
-                    f"gradient or result (update.max_consecutive_skips={self.max_consecutive_skips}); the "
-                    f"parameters are those of the last finite update. Look for a learning rate that is too high, "
-                    f"inputs that overflow in the model's dtype, or rewards/advantages that are not finite")
+                    f"step {step}: {self._whose}{self.consecutive_skips} optimizer updates in a row had a non-finite "
+                    f"loss, gradient or result (update.max_consecutive_skips={self.max_consecutive_skips}); the "
+                    f"parameters are those of the last finite update. Look for a learning rate that is too high "
+                    f"({self._lr_key}), inputs that overflow in the model's dtype, or rewards/advantages that are "
+                    f"not finite")
             return
         self.consecutive_skips = 0
         if self.spike_factor:
@@ -76,13 +80,15 @@ class UpdateGuard:
                                 f"of the last {len(self.recent_grad_norms)} updates")
         if relative_size > 1.0:
             problems.append(f"the update is {relative_size:.3g}x as large as the parameters "
-                            "(is optimizer.lr too high?)")
+                            f"(is {self._lr_key} too high?)")
         if problems:
             self.spikes_total += 1
-            self.warn(f"step {step}: warning: {'; '.join(problems)} (update.spike_factor={self.spike_factor:g})")
+            self.warn(f"step {step}: warning: {self._whose}{'; '.join(problems)} "
+                      f"(update.spike_factor={self.spike_factor:g})")
 
     def metrics(self) -> dict[str, float]:
-        return {"update/nonfinite_skips": float(self.skipped_total), "update/spike_warnings": float(self.spikes_total)}
+        return {f"{self.prefix}/nonfinite_skips": float(self.skipped_total),
+                f"{self.prefix}/spike_warnings": float(self.spikes_total)}
 
     def state(self) -> dict:
         return {"consecutive_skips": self.consecutive_skips, "skipped_total": self.skipped_total,

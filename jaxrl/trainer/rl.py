@@ -118,7 +118,7 @@ class RLTrainer:
                              chunk_size=config.update.logprob_chunk_size, router_z_loss=config.update.router_z_loss)
         self.train_step, self.state = make_train_step(model, optimizer, loss_fn, self.mesh)
         # PPO with GAE: a separate value model from the policy's initial weights, its own optimizer.
-        self.critic = Critic(config, model, self.mesh) if config.critic is not None else None
+        self.critic = Critic(config, model, self.mesh, self._warn) if config.critic is not None else None
         sequences = config.rollout.prompts_per_step * config.rollout.group_size
         rows = sequences // (config.update.mini_batches * config.update.micro_batches)
         self.scorer = LogprobScorer(self.train_step.graphdef, self.mesh, rows, config.update.logprob_chunk_size,
@@ -318,7 +318,7 @@ class RLTrainer:
                 padding.append(mini.packed.padding_fraction)
                 cells.append(mini.packed.real_cells)
             if self.critic is not None:  # the critic's step on the same rows; the policy's needs no values
-                critic_collected.append(self.critic.update(mini))
+                critic_collected.append(self.critic.update(mini, step))
                 mini = mini.replace(tokens=mini.tokens.replace(values=None, returns=None))
             if frozen:
                 continue
@@ -389,7 +389,7 @@ class RLTrainer:
     def _meta(self) -> dict:
         return {"step": self.step, "seed": self.config.seed, **self.rollouts.state(self.step),
                 "weight_version": str(self.step), "skipped_updates": self.skipped_updates,
-                "guard": self.guard.state()}
+                "guard": self.guard.state(), **({"critic_guard": self.critic.guard.state()} if self.critic else {})}
 
     def save(self) -> None:
         if self.checkpointer is not None:
@@ -408,6 +408,8 @@ class RLTrainer:
                     f"{e}; the critic exists only with advantage.estimator=gae, so resume this run with the "
                     f"advantage.estimator it was started with, or start afresh") from None
             self.critic.state = items["critic"]
+            if "critic_guard" in meta:  # absent in checkpoints written before the critic had its guard
+                self.critic.guard.restore(meta["critic_guard"])
         if self.reference is not None:
             log.warning("resume: the KL reference is the restored run's initial weights only if model.* points "
                         "at the same initial checkpoint")

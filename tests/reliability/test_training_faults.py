@@ -100,6 +100,48 @@ def test_non_finite_update_is_skipped_then_the_run_stops(run_config, tmp_path):
     assert rows[0]["update/nonfinite"] == 1.0 and rows[0]["update/nonfinite_skips"] == 1.0
 
 
+def test_a_critic_whose_updates_are_all_non_finite_stops_the_run(run_config, tmp_path):
+    """Before: with ``advantage.estimator: gae`` and a critic learning rate that overflows float32
+    every critic update was skipped (``critic/nonfinite`` 1 at every step), nothing said so, and
+    the run ended with exit status 0 on a critic that never learned. Now the critic's own guard
+    warns of each skip and stops the run after ``update.max_consecutive_skips``, naming
+    ``critic.lr``; the critic's parameters are its initial ones, and its counts are logged."""
+    trainer = _trainer(run_config(tmp_path, steps=4, advantage={"estimator": "gae"},
+                                  critic={"lr": 1e39, "clip_norm": 0.0}, update={"max_consecutive_skips": 2}))
+    try:
+        before = [np.asarray(x) for x in jax.tree.leaves(trainer.critic.state["params"])]
+        with pytest.raises(NonFiniteUpdateError, match=r"step 2: the critic's 2 optimizer updates in a row .*"
+                                                       r"\(critic\.lr\)"):
+            trainer.run()
+        for a, b in zip(before, jax.tree.leaves(trainer.critic.state["params"]), strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))
+        assert int(trainer.critic.state["step"]) == 0
+    finally:
+        trainer.close()
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["critic/nonfinite"] == 1.0 and rows[0]["critic/nonfinite_skips"] == 1.0
+    assert rows[0]["update/nonfinite_skips"] == 0.0  # the policy's updates were finite
+
+
+def test_the_critics_guard_resumes_where_it_stopped(run_config, tmp_path):
+    """Its counts travel in the checkpoint: a resumed run stops after the same skip in a row."""
+    config = run_config(tmp_path, steps=1, advantage={"estimator": "gae"}, critic={"lr": 1e39, "clip_norm": 0.0},
+                        update={"max_consecutive_skips": 2}, checkpoint={"directory": str(tmp_path / "ck")})
+    trainer = _trainer(config)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    trainer = _trainer({**config, "steps": 3}, resume=True)
+    try:
+        assert trainer.critic.guard.consecutive_skips == 1
+        with pytest.raises(NonFiniteUpdateError, match="step 2: the critic's 2 optimizer updates"):
+            trainer.run()
+    finally:
+        trainer.close()
+
+
 def test_a_destructive_learning_rate_is_warned_about(run_config, tmp_path, caplog):
     """Before: ``optimizer.lr=1e6`` destroyed the model without a warning."""
     trainer = _trainer(run_config(tmp_path, steps=1, optimizer={"lr": 1e6}))
