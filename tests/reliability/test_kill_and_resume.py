@@ -139,3 +139,53 @@ def test_sigkill_during_an_asynchronous_save_then_resume_is_bit_exact(run_config
     status, stderr = _finish(_start(config, "--resume"))
     assert status == 0, stderr[-2000:]
     _assert_same_run(straight, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def stopping_model(run_config, tmp_path_factory):
+    """The tiny model as a checkpoint whose responses end at any of four ids, so sample lengths
+    spread and partial rollouts carry unfinished groups from step to step."""
+    from jaxrl.models import ModelConfig
+    from jaxrl.rollout.sglang.testing import write_random_checkpoint
+
+    path = tmp_path_factory.mktemp("stopping") / "hf"
+    architecture = run_config(path)["model"]["architecture"]
+    write_random_checkpoint(str(path), ModelConfig(**{**architecture, "max_position_embeddings": 64}), seed=2,
+                            matrix_scale=1.0)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4, 5, 6]}))
+    return str(path)
+
+
+def _partial_config(run_config, folder, model):
+    """2 tokens per round of up to 10-token responses: groups take several rounds, and those
+    unfinished when a step has its batch carry into the next (rollout.partial_tokens)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = run_config(folder / "out", steps=STEPS, checkpoint={
+        "directory": str(folder / "ck"), "every": 2, "keep": 3, "export_hf": str(folder / "hf")},
+        rollout={"group_size": 2, "max_new_tokens": 10, "partial_tokens": 2})
+    data["model"] = {"hf_path": model}
+    path = folder / "config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_sigkill_with_partial_rollouts_in_flight_then_resume_is_bit_exact(run_config, stopping_model, tmp_path):
+    """Not probed before: the checkpoint of a partial-rollout run holds the groups in flight (their
+    tokens, versions and behaviour logprobs so far). SIGKILL after a step past a checkpoint; the
+    resumed run continues those groups and ends bit for bit where the uninterrupted run ends."""
+    straight = tmp_path / "straight"
+    status, stderr = _finish(_start(_partial_config(run_config, straight, stopping_model)))
+    assert status == 0, stderr[-2000:]
+    rows = _comparable_rows(straight)
+    assert all(r["rollout/partial_in_flight"] > 0 for r in rows if r["step"] in (2, 4))  # carried at each save
+
+    killed = tmp_path / "killed"
+    config = _partial_config(run_config, killed, stopping_model)
+    process = _start(config)
+    _wait_until(process, _logged_step(killed, 3), "step 3 was logged")
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert max(int(n) for n in os.listdir(killed / "ck") if n.isdigit()) < STEPS
+    status, stderr = _finish(_start(config, "--resume"))
+    assert status == 0, stderr[-2000:]
+    _assert_same_run(straight, killed)
