@@ -92,7 +92,7 @@ def test_demo_rl_steps_on_two_processes_equal_one_process_with_eight_devices(pro
     own_rows = _rows(two / "process-1" / "metrics.jsonl")
     assert [(r["step"], r["reward/mean"], r["update/loss"]) for r in own_rows] == [
         (r["step"], r["reward/mean"], r["update/loss"]) for r in two_rows]
-    assert sorted(os.listdir(two / "process-1")) == ["metrics.jsonl"]
+    assert sorted(os.listdir(two / "process-1")) == ["metrics.jsonl", "run.lock"]  # its own lock (RunLock)
     for a, b in zip(two_rows, one_rows, strict=True):
         assert a["reward/mean"] == b["reward/mean"]  # the same samples
         assert a["update/grad_norm"] > 0.1
