@@ -23,9 +23,6 @@ from jaxrl.losses import _validate
 Array = jax.Array
 
 
-# The POLICY_LOSSES kinds that honour ``dual_clip``; the others raise ValueError when it is set.
-DUAL_CLIP_LOSSES = ("ppo", "gspo", "gspo-token")
-
 
 def _check_token_inputs(logp, old_logp, advantages, mask) -> None:
     for name, x in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages)):
@@ -165,14 +162,6 @@ def gspo_token_loss(
     return _clipped_surrogate(log_ratio, advantages, mask, eps_low, eps_high, dual_clip)
 
 
-def _refuse_dual_clip(loss: str, dual_clip) -> None:
-    if dual_clip is not None:
-        raise ValueError(
-            f"dual_clip={dual_clip!r} but the {loss} policy loss has no dual clip; pass dual_clip=None "
-            f"(dual_clip applies to the policy losses {list(DUAL_CLIP_LOSSES)})"
-        )
-
-
 def cispo_token_loss(
     logp: Array,
     old_logp: Array,
@@ -181,7 +170,6 @@ def cispo_token_loss(
     *,
     eps_low: float = 1.0,
     eps_high: float = 0.28,
-    dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """CISPO ``-sg(clip(rho, 1-eps_low, 1+eps_high)) A log pi`` (docs/losses.md#cispo; MiniMax-M1,
     arXiv 2506.13585).
@@ -200,8 +188,7 @@ def cispo_token_loss(
     eps_high). Through ``policy_token_loss`` the caller's eps are used (the
     trainer's default 0.2 / 0.28 clips two-sided).
 
-    Args: as :func:`ppo_clip_token_loss`; ``dual_clip`` must be None (CISPO has
-      none; a value raises ValueError).
+    Args: as :func:`ppo_clip_token_loss`, without ``dual_clip`` (CISPO has none).
     Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
       masked tokens: ``clip_frac_high`` (rho > 1+eps_high, any sign of A),
       ``clip_frac_low`` (rho < 1-eps_low), ``clip_frac`` (either: the tokens whose
@@ -209,7 +196,6 @@ def cispo_token_loss(
       ``ratio_max`` (of the unclipped rho).
     """
     _check_token_inputs(logp, old_logp, advantages, mask)
-    _refuse_dual_clip("cispo", dual_clip)
     _check_clip_args(eps_low, eps_high, None)
     live = jnp.asarray(mask).astype(bool)
     adv = jnp.where(live, jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32)), 0.0)
@@ -228,7 +214,6 @@ def gmpo_token_loss(
     *,
     eps_low: float = 0.4,
     eps_high: float = 0.4,
-    dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """GMPO ``-A_i * prod_t(clipped rho_{i,t})^(1/|y_i|)``, the geometric mean of token ratios clipped
     token by token in log space (docs/losses.md#gmpo; Geometric-Mean Policy Optimization, arXiv 2507.20673).
@@ -254,8 +239,8 @@ def gmpo_token_loss(
     is verl's (which uses the sequence mean of ``A``), but each token's gradient
     carries its own ``A_t`` (verl supports only sequence advantages).
 
-    Args: as :func:`ppo_clip_token_loss`, eps in log space (>= 0); ``dual_clip``
-      must be None (GMPO has none; a value raises ValueError).
+    Args: as :func:`ppo_clip_token_loss`, eps in log space (>= 0), without
+      ``dual_clip`` (GMPO has none).
     Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
       masked tokens: ``clip_frac_high`` (A>0, l_t > eps_high), ``clip_frac_low``
       (A<0, l_t < -eps_low), ``clip_frac`` (either: the tokens with zero
@@ -263,7 +248,6 @@ def gmpo_token_loss(
       as GSPO's).
     """
     _check_token_inputs(logp, old_logp, advantages, mask)
-    _refuse_dual_clip("gmpo", dual_clip)
     _validate.check_positive("eps_low", eps_low, allow_zero=True)
     _validate.check_positive("eps_high", eps_high, allow_zero=True)
     live = jnp.asarray(mask).astype(bool)
@@ -286,10 +270,6 @@ def reinforce_token_loss(
     old_logp: Array,
     advantages: Array,
     mask: Array,
-    *,
-    eps_low: float | None = None,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """REINFORCE ``-sg(A) log pi`` (docs/losses.md#reinforce-and-gpg; Williams 1992; GPG, arXiv 2504.02546).
 
@@ -302,17 +282,13 @@ def reinforce_token_loss(
     The gradient is the on-policy one whatever ``old_logp``: use it with one
     optimizer step per batch, or accept the bias of stale samples.
 
-    Args: as :func:`ppo_clip_token_loss`. ``eps_low`` and ``eps_high`` are
-      IGNORED (accepted because :func:`policy_token_loss` always passes them);
-      ``dual_clip`` must be None (a value raises ValueError). ``old_logp`` only
-      feeds the metrics.
+    Args: ``logp``, ``old_logp``, ``advantages``, ``mask`` as :func:`ppo_clip_token_loss`
+      (no clip, so no eps and no dual clip). ``old_logp`` only feeds the metrics.
     Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
       masked tokens: ``ratio_mean``, ``ratio_max`` of ``rho = exp(logp - old_logp)``
       (how far the policy has moved; nothing is clipped).
     """
-    del eps_low, eps_high  # no clip: see the docstring
     _check_token_inputs(logp, old_logp, advantages, mask)
-    _refuse_dual_clip("reinforce", dual_clip)
     live = jnp.asarray(mask).astype(bool)
     adv = jnp.where(live, jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32)), 0.0)
     logp32 = jnp.where(live, jnp.asarray(logp, jnp.float32), 0.0)
@@ -327,9 +303,6 @@ def sapo_token_loss(
     advantages: Array,
     mask: Array,
     *,
-    eps_low: float | None = None,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> tuple[Array, dict[str, Array]]:
@@ -345,16 +318,12 @@ def sapo_token_loss(
     :func:`policy_token_loss` uses them. The paper's objective averages tokens
     within a sequence, then sequences: "seq-mean-token-mean" aggregation, as verl.
 
-    Args: as :func:`ppo_clip_token_loss`. ``eps_low`` and ``eps_high`` are
-      IGNORED (the gate replaces the clip; accepted because
-      :func:`policy_token_loss` always passes them); ``dual_clip`` must be None
-      (a value raises ValueError); ``tau_pos``, ``tau_neg`` > 0.
+    Args: ``logp``, ``old_logp``, ``advantages``, ``mask`` as :func:`ppo_clip_token_loss`
+      (the gate replaces the clip: no eps, no dual clip); ``tau_pos``, ``tau_neg`` > 0.
     Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
       masked tokens: ``ratio_mean``, ``ratio_max`` (nothing is clipped).
     """
-    del eps_low, eps_high  # the soft gate replaces the clip: see the docstring
     _check_token_inputs(logp, old_logp, advantages, mask)
-    _refuse_dual_clip("sapo", dual_clip)
     _validate.check_positive("tau_pos", tau_pos)
     _validate.check_positive("tau_neg", tau_neg)
     live = jnp.asarray(mask).astype(bool)
@@ -366,17 +335,21 @@ def sapo_token_loss(
     return loss, _ratio_metrics(live, ratio)
 
 
-# Policy loss name -> its token loss, called as ``fn(logp, old_logp, advantages, mask, *, eps_low,
-# eps_high, dual_clip)``; the one declaration of the policy-loss choices.
+# Policy loss name -> (its token loss, the clip options it takes), called as ``fn(logp, old_logp,
+# advantages, mask, **{option: value})``; the one declaration of the policy-loss choices (as the
+# mismatch corrections' ``objective._CORRECTIONS``).
+_CLIP = ("eps_low", "eps_high")
 POLICY_LOSSES = {
-    "ppo": ppo_clip_token_loss,
-    "gspo": gspo_token_loss,
-    "gspo-token": functools.partial(gspo_token_loss, token_gradient=True),
-    "cispo": cispo_token_loss,
-    "gmpo": gmpo_token_loss,
-    "reinforce": reinforce_token_loss,  # also GPG's token loss (see its docstring)
-    "sapo": sapo_token_loss,  # tau_pos=1.0, tau_neg=1.05 (the paper's)
+    "ppo": (ppo_clip_token_loss, _CLIP + ("dual_clip",)),
+    "gspo": (gspo_token_loss, _CLIP + ("dual_clip",)),
+    "gspo-token": (functools.partial(gspo_token_loss, token_gradient=True), _CLIP + ("dual_clip",)),
+    "cispo": (cispo_token_loss, _CLIP),
+    "gmpo": (gmpo_token_loss, _CLIP),
+    "reinforce": (reinforce_token_loss, ()),  # also GPG's token loss (see its docstring)
+    "sapo": (sapo_token_loss, ()),  # tau_pos=1.0, tau_neg=1.05 (the paper's)
 }
+# The kinds that honour ``dual_clip``; the others raise ValueError when it is set.
+DUAL_CLIP_LOSSES = tuple(kind for kind, (_, options) in POLICY_LOSSES.items() if "dual_clip" in options)
 
 
 def policy_token_loss(
@@ -391,11 +364,16 @@ def policy_token_loss(
     dual_clip: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Dispatches ``kind`` in ``POLICY_LOSSES`` ("ppo", "gspo", "gspo-token", "cispo", "gmpo", "reinforce",
-    "sapo") to its token loss (docs/losses.md#policy-losses).
+    "sapo") to its token loss with the options it takes (docs/losses.md#policy-losses).
 
-    Shapes as :func:`ppo_clip_token_loss`. ``dual_clip`` must be None unless
-    ``kind`` is in ``DUAL_CLIP_LOSSES``; "reinforce" and "sapo" ignore the eps.
+    Shapes as :func:`ppo_clip_token_loss`. "reinforce" and "sapo" have no clip: the eps are not
+    theirs and are not passed. ``dual_clip`` must be None unless ``kind`` is in
+    ``DUAL_CLIP_LOSSES`` (ValueError naming both).
     """
     _validate.check_choice("kind", kind, POLICY_LOSSES)
-    return POLICY_LOSSES[kind](logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                               dual_clip=dual_clip)
+    loss, options = POLICY_LOSSES[kind]
+    if dual_clip is not None and "dual_clip" not in options:
+        raise ValueError(f"dual_clip={dual_clip!r} but the {kind} policy loss has no dual clip; pass dual_clip=None "
+                         f"(dual_clip applies to the policy losses {list(DUAL_CLIP_LOSSES)})")
+    given = {"eps_low": eps_low, "eps_high": eps_high, "dual_clip": dual_clip}
+    return loss(logp, old_logp, advantages, mask, **{option: given[option] for option in options})
