@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxrl"
 
 # Lower layers never import higher ones; packages on the same layer are independent libraries.
 LAYERS = {
-    "jaxrl.errors": 0,
+    "jaxrl.errors": 0, "jaxrl.process_groups": 0,
     "jaxrl.config": 1, "jaxrl.distributed": 1, "jaxrl.sandbox": 1,
     "jaxrl.losses": 2, "jaxrl.models": 2, "jaxrl.data": 2, "jaxrl.reward": 2,
     "jaxrl.rollout": 3,

@@ -65,7 +65,8 @@ from typing import Mapping
 from jaxrl.errors import InputError
 from jaxrl.reward.base import Outcome, RewardRouter, call_reward, describe_exception
 from jaxrl.reward.tasks import TaskRewardConfig, build_reward
-from jaxrl.sandbox import check_seconds, command_status, contain, kill_process_group
+from jaxrl.process_groups import kill_group
+from jaxrl.sandbox import check_seconds, command_status, contain
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class _Worker:
 def _kill(proc: subprocess.Popen, conn: Connection) -> None:
     """Kills the worker and its process group, reaps it, closes the pipe (also the finalizer at exit)."""
     if proc.poll() is None:
-        kill_process_group(proc)
+        kill_group(proc)
     conn.close()
 
 

@@ -8,9 +8,9 @@ gone when it returns (``execute.py``). The python tool and the code reward run i
 """
 
 from jaxrl.sandbox.execution import (
-    Execution, SandboxConfig, SandboxUnavailableError, check_seconds, contain, execute, jail_for, kill_process_group,
+    Execution, SandboxConfig, SandboxUnavailableError, check_seconds, contain, execute, jail_for,
 )
 from jaxrl.sandbox.jail import Jail, Probe, command_status, find_bwrap, probe
 
 __all__ = ["Execution", "Jail", "Probe", "SandboxConfig", "SandboxUnavailableError", "check_seconds", "command_status",
-           "contain", "execute", "find_bwrap", "jail_for", "kill_process_group", "probe"]
+           "contain", "execute", "find_bwrap", "jail_for", "probe"]

@@ -41,6 +41,7 @@ import time
 from typing import Literal, Mapping
 
 from jaxrl.errors import InputError
+from jaxrl.process_groups import kill_group
 from jaxrl.sandbox import seccomp
 from jaxrl.sandbox.jail import Jail, Limits, boot_argv, command_status, jail_uid, probe
 
@@ -174,19 +175,6 @@ def _namespace_pid(info_fd: int, deadline: float) -> int | None:
     return None
 
 
-def kill_process_group(proc: subprocess.Popen) -> None:
-    """SIGKILL to ``proc``'s process group (started with ``start_new_session``; the process alone
-    when the group is gone or not ours), then reaps it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # uninterruptible sleep (D state); nothing more to do
-        pass
-
-
 def _end_namespace(pidfd: int) -> None:
     """Kills the namespace's first process (the kernel then kills the rest) and waits until it
     is gone, which the kernel allows only once every other process of the namespace is."""
@@ -251,7 +239,7 @@ def _run_jailed(jail: Jail, argv, config, limits, files, stdout, stderr) -> tupl
             timed_out = True
         if pidfd is not None:
             _end_namespace(pidfd)
-        kill_process_group(proc)
+        kill_group(proc)
     finally:
         for fd in (info_read, *passed, *([pidfd] if pidfd is not None else [])):
             os.close(fd)
@@ -271,6 +259,6 @@ def _run_plain(argv, config, limits, files, stdout, stderr) -> tuple[int, bool, 
             proc.wait(timeout=config.timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-        kill_process_group(proc)  # always: the code's own subprocesses die with it, even after a clean exit
+        kill_group(proc)  # always: the code's own subprocesses die with it, even after a clean exit
     status = proc.returncode if proc.returncode is not None else -signal.SIGKILL
     return status, timed_out, proc.pid

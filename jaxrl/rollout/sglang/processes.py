@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import subprocess
 import threading
 from typing import Protocol
 
@@ -34,14 +33,6 @@ LAUNCHER = (
 
 class Stoppable(Protocol):
     def stop(self) -> None: ...
-
-
-def signal_group(process: subprocess.Popen, sig: int) -> None:
-    """Sends ``sig`` to ``process``'s whole group (SGLang's scheduler and detokenizer are in it)."""
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # Strong references: a started manager must be stopped at exit even when the caller dropped it

@@ -38,8 +38,8 @@ from jaxrl.errors import InputError
 from jaxrl.rollout.base import LogprobKind
 from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, is_loopback, redact, valid_key
 from jaxrl.rollout.sglang.fleet import ServedWeights
-from jaxrl.rollout.sglang.processes import (LAUNCH_API_KEY_ENV, LAUNCHER, forget_at_exit, signal_group,
-                                            stop_at_exit)
+from jaxrl.process_groups import kill_group, signal_group
+from jaxrl.rollout.sglang.processes import LAUNCH_API_KEY_ENV, LAUNCHER, forget_at_exit, stop_at_exit
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 CPU_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
@@ -420,8 +420,7 @@ class ServerManager(ServedWeights):
             except subprocess.TimeoutExpired:
                 pass
         # SGLang's scheduler and detokenizer share the group; kill stragglers too.
-        signal_group(process, signal.SIGKILL)
-        process.wait()
+        kill_group(process)
         server.process = None
 
 
