@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import threading
 import traceback
@@ -136,8 +137,6 @@ def check_writable(folder: str, key: str) -> None:
     """Makes a local ``folder`` and writes a file in it, so a folder this user cannot write (or a
     full disk) is named under its config ``key`` before the first step, not in a traceback from
     the first save. A URL (``gs://``) is left to its storage client."""
-    import tempfile
-
     if "://" in folder:
         return
     try:
