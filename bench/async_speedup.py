@@ -92,7 +92,7 @@ def main() -> None:
             for trainer in trainers.values():  # compile
                 for _ in range(2):
                     trainer.train_step_once()
-                trainer.rollouts.before_push()
+                trainer.stage("rollout").drain()
             print(f"both trainers and servers ready in {time.perf_counter() - start:.0f} s; "
                   f"{args.rounds} rounds x {args.steps} steps each", flush=True)
             for r in range(args.rounds):
@@ -102,7 +102,7 @@ def main() -> None:
                         t = time.perf_counter()
                         metrics[s].append(trainer.train_step_once())
                         walls[s].append(time.perf_counter() - t)
-                    trainer.rollouts.before_push()  # untimed: nothing of this trainer runs during the other's turn
+                    trainer.stage("rollout").drain()  # untimed: nothing of this trainer runs during the other's turn
         finally:
             for trainer in trainers.values():
                 trainer.close()

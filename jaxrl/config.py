@@ -44,6 +44,16 @@ class ConfigError(ValueError):
     """A config file or override that does not match the typed config."""
 
 
+class FieldError(ValueError):
+    """A section's ``key`` holds a ``value`` it must not (it must be ``expected``); raised by a
+    section's ``__post_init__``, re-raised by :func:`from_dict` under the key's dotted path, so a
+    section nested in another (``critic.optimizer``) is named where it is."""
+
+    def __init__(self, section: str, key: str, value: Any, expected: str):
+        self.key, self.value, self.expected = key, value, expected
+        super().__init__(f"{section}.{key}={value!r} must be {expected}")
+
+
 # A config holds hundreds of values; YAML aliases can make a few lines stand for billions of them
 # ("billion laughs"), which the deep copy of apply_overrides would then build in memory.
 MAX_CONFIG_VALUES = 100_000
@@ -229,6 +239,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
         return cls(**kwargs)
     except ConfigError:
         raise
+    except FieldError as e:
+        raise ConfigError(f"section {prefix or '<top>'} ({cls.__name__}): {where}{e.key}={e.value!r} must be "
+                          f"{e.expected}") from e
     except (ValueError, TypeError) as e:
         raise ConfigError(f"section {prefix or '<top>'} ({cls.__name__}): {e}") from e
 

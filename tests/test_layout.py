@@ -23,6 +23,7 @@ LAYERS = {
     "jaxrl.experiments": 7,  # drives the trainer on the demo's data and warm-up (jaxrl.demo)
 }
 MAX_LINES = 450
+STAGE_MAX_LINES = 220  # a stage module is read whole by whoever follows the step
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -113,3 +114,40 @@ def test_no_import_loop():
 def test_modules_stay_readable(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines (> {MAX_LINES}): split it by theme"
+
+
+STAGES = "jaxrl.trainer.stages"
+# What every stage may read: the package's contract (base). The package itself assembles the
+# stages; the trainer's own modules run them.
+STAGE_CONTRACT = {f"{STAGES}.base"}
+TRAINER_MODULES = {"jaxrl.trainer.rl", "jaxrl.trainer.lifecycle", "jaxrl.trainer.sft", "jaxrl.trainer.cli",
+                   "jaxrl.trainer.evaluate", STAGES}
+
+
+def _stage_room(name: str) -> str:
+    """The stage a module of jaxrl/trainer/stages/ belongs to: its first component there."""
+    return name.removeprefix(STAGES + ".").split(".")[0]
+
+
+STAGE_MODULES = sorted(n for n in GRAPH if n.startswith(STAGES + ".") and n not in STAGE_CONTRACT)
+
+
+def test_the_stages_exist():
+    assert {_stage_room(n) for n in STAGE_MODULES} == {
+        "rollout", "reward", "pack", "recompute", "advantage", "filter", "update", "push"}
+
+
+@pytest.mark.parametrize("name", STAGE_MODULES)
+def test_a_stage_imports_no_other_stage_and_not_the_trainer(name):
+    for target in sorted(GRAPH[name]):
+        assert target not in TRAINER_MODULES, f"{name} imports {target}: a stage never imports the trainer"
+        if target.startswith(STAGES + ".") and target not in STAGE_CONTRACT:
+            assert _stage_room(target) == _stage_room(name), (
+                f"{name} imports {target}, a module of another stage: what a stage needs of another is handed "
+                f"to it by build_stages (jaxrl/trainer/stages/__init__.py)")
+
+
+@pytest.mark.parametrize("name", STAGE_MODULES)
+def test_stage_modules_stay_small(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= STAGE_MAX_LINES, f"{MODULES[name]} has {lines} lines (> {STAGE_MAX_LINES}): split the stage"

@@ -28,10 +28,9 @@ from jaxrl.models.attention import resolve_attention_impl
 from jaxrl.models.scoring import LogprobScorer
 from jaxrl.models.sharding import batch_devices, sequence_row_length
 from jaxrl.rollout.sampler import JaxSampler
-from jaxrl.trainer import stages
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
 from jaxrl.trainer.config import TrainConfig
-from jaxrl.trainer.rollouts import sampler_batch
+from jaxrl.trainer.stages import frozen_policy_steps, objective_for_run, sampler_batch
 from jaxrl.trainer.update import abstract_train_state, build_optimizer, build_train_step, rl_loss_fn
 
 
@@ -170,9 +169,9 @@ def rl_step_programs(config: TrainConfig, model_config: ModelConfig, devices: li
     shapes = step_shapes(config, mesh)
     length, c = shapes["length"], model_config
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(c, rngs=nnx.Rngs(0))))
-    objective, _ = stages.objective_for_run(config, builds_engine=True)
-    warmup = config.critic.warmup_steps if config.critic is not None else 0
-    optimizer, _ = build_optimizer(config.optimizer, max(config.steps - warmup, 0) * config.update.mini_batches)
+    objective, _ = objective_for_run(config, builds_engine=True)
+    frozen = frozen_policy_steps(config)
+    optimizer, _ = build_optimizer(config.optimizer, max(config.steps - frozen, 0) * config.update.mini_batches)
     loss_fn = rl_loss_fn(objective, seed=config.seed, micro_batches=config.update.micro_batches,
                          chunk_size=config.update.logprob_chunk_size)
     step = build_train_step(graphdef, params, optimizer, loss_fn, mesh)

@@ -117,7 +117,7 @@ def sampling_record(params: SamplingParams, n: int) -> dict:
 
 
 # generate(examples, params, n) -> samples[prompt][n], e.g. multi-turn conversations with the rows'
-# environments (jaxrl.trainer.episodes.generate_conversations); None: one model turn per sample.
+# environments (jaxrl.trainer.stages.rollout.episodes.generate_conversations); None: one model turn per sample.
 Generate = Callable[[Sequence[Example], SamplingParams, int], list[list[Sample]]]
 
 

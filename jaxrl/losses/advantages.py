@@ -297,7 +297,7 @@ ADVANTAGE_ESTIMATORS = {
     "passk": passk_advantages,
 }
 # Token-level estimator name -> estimator: these need a critic's values per token, so the trainer runs
-# them itself (jaxrl.trainer.critic), not through sequence_advantages.
+# them itself (jaxrl.trainer.stages.advantage.critic), not through sequence_advantages.
 TOKEN_ADVANTAGE_ESTIMATORS = {
     "gae": gae_advantages,
 }

@@ -47,7 +47,7 @@ class StepBatch:
     old_logp, ref_logp, advantages: float32, filled in by the recompute and advantage stages
     (``None`` until then, and ``ref_logp`` stays ``None`` when nothing needs the reference);
     values, returns, token_rewards: float32, only with a critic (``advantage.estimator: gae``,
-    ``jaxrl.trainer.critic``; ``None`` otherwise): the critic's value at each column before the
+    ``jaxrl.trainer.stages.advantage.critic``; ``None`` otherwise): the critic's value at each column before the
     update (the value of the state before that column's target is generated:
     ``jaxrl.models.value``), the GAE targets, and the task's reward on each generated target
     (the score on the last one, or the reward function's per-token rewards) before any KL

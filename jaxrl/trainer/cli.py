@@ -101,7 +101,7 @@ def _main(prog: str, what: str, argv: Sequence[str], trainer_module: str, traine
     from jaxrl.trainer.checkpoint import CheckpointSaveError
     from jaxrl.trainer.guard import NonFiniteUpdateError
     from jaxrl.trainer.metrics import MetricsWriteError
-    from jaxrl.trainer.rl import PushVerificationError
+    from jaxrl.rollout.base import PushVerificationError
 
     try:
         return _run(prog, trainer_class, config, args)

@@ -13,6 +13,7 @@ import dataclasses
 import os
 from typing import Literal
 
+from jaxrl.config import FieldError
 from jaxrl.data.pipeline import DataConfig, check_mixture
 from jaxrl.env.config import EnvConfig
 from jaxrl.evaluation.filter import FilterConfig
@@ -139,23 +140,10 @@ class UpdateConfig:
             raise ValueError(f"update.spike_factor must be > 1 (or 0 to disable), got {self.spike_factor}")
 
 
-def _adamw_checks(section, warmup_key: str) -> list[tuple[str, bool, str]]:
-    """(key, holds, what the key must be) for the AdamW fields an optimizer section shares."""
-    return [("lr", section.lr > 0, "> 0"),
-            (warmup_key, getattr(section, warmup_key) >= 0, ">= 0"),
-            ("min_lr_ratio", 0.0 <= section.min_lr_ratio <= 1.0, "in [0, 1]"),
-            ("b1", 0.0 <= section.b1 < 1.0, "in [0, 1)"),
-            ("b2", 0.0 <= section.b2 < 1.0, "in [0, 1)"),
-            # With eps = 0 a parameter whose gradient is exactly 0 (an unused token's embedding row)
-            # gets 0 / 0: every update would be non-finite and skipped.
-            ("eps", section.eps > 0, "> 0 (AdamW divides by sqrt(v) + eps)"),
-            ("weight_decay", section.weight_decay >= 0, ">= 0")]
-
-
 def _check_section(name: str, section, checks: list[tuple[str, bool, str]]) -> None:
     for key, holds, expected in checks:
         if not holds:
-            raise ValueError(f"{name}.{key}={getattr(section, key)!r} must be {expected}")
+            raise FieldError(name, key, getattr(section, key), expected)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,42 +162,42 @@ class OptimizerConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self):
-        _check_section("optimizer", self, _adamw_checks(self, "warmup_steps"))
+        _check_section("optimizer", self, [
+            ("lr", self.lr > 0, "> 0"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("min_lr_ratio", 0.0 <= self.min_lr_ratio <= 1.0, "in [0, 1]"),
+            ("b1", 0.0 <= self.b1 < 1.0, "in [0, 1)"),
+            ("b2", 0.0 <= self.b2 < 1.0, "in [0, 1)"),
+            # With eps = 0 a parameter whose gradient is exactly 0 (an unused token's embedding row)
+            # gets 0 / 0: every update would be non-finite and skipped.
+            ("eps", self.eps > 0, "> 0 (AdamW divides by sqrt(v) + eps)"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0")])
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticOptimizerConfig(OptimizerConfig):
+    """The critic's AdamW: the ``optimizer`` section's fields, ``lr`` [1e-5, verl's critic default]."""
+
+    lr: float = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
     """The critic of PPO with GAE (``advantage.estimator: gae``; docs/training.md#critic): a value
-    model with its own AdamW. ``lr`` [1e-5, verl's critic default], ``lr_warmup_steps``,
-    ``schedule``, ``min_lr_ratio``, ``b1``, ``b2``, ``eps``, ``weight_decay``, ``clip_norm``: as
-    the ``optimizer`` section's fields (``lr_warmup_steps`` is that section's ``warmup_steps``:
-    optimizer updates of linear LR warm-up). ``warmup_steps``: RL steps at the start of the run
+    model with its own AdamW, ``optimizer`` (the fields of the top-level ``optimizer`` section, its
+    ``warmup_steps`` counting critic updates). ``warmup_steps``: RL steps at the start of the run
     during which only the critic trains and the policy is not updated (verl's
     ``critic_warmup``). ``value_clip``: the clip range of the value loss around the values the
     batch was scored with (None: unclipped)."""
 
-    lr: float = 1e-5
-    lr_warmup_steps: int = 0
-    schedule: Literal["cosine", "constant"] = "constant"
-    min_lr_ratio: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    clip_norm: float = 1.0
+    optimizer: CriticOptimizerConfig = CriticOptimizerConfig()
     warmup_steps: int = 0
     value_clip: float | None = 0.2
 
     def __post_init__(self):
-        _check_section("critic", self, _adamw_checks(self, "lr_warmup_steps") + [
+        _check_section("critic", self, [
             ("warmup_steps", self.warmup_steps >= 0, ">= 0 (RL steps of critic-only training)"),
             ("value_clip", self.value_clip is None or self.value_clip > 0, "> 0, or null for no clipping")])
-
-    def optimizer(self) -> "OptimizerConfig":
-        """The critic's AdamW settings as an ``optimizer`` section (for ``build_optimizer``)."""
-        return OptimizerConfig(lr=self.lr, warmup_steps=self.lr_warmup_steps, schedule=self.schedule,
-                               min_lr_ratio=self.min_lr_ratio, b1=self.b1, b2=self.b2, eps=self.eps,
-                               weight_decay=self.weight_decay, clip_norm=self.clip_norm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +281,8 @@ class TrainConfig:
     """A whole run. ``output_dir`` receives metrics, TensorBoard events and plots; checkpoints go
     to ``checkpoint.directory`` (none when it is empty). ``steps``: RL steps (outer iterations of
     docs/training.md#the-rl-update-loop). ``env``: multi-turn rollouts with environments and tools
-(``jaxrl.trainer.episodes``; None: one model turn per sample). ``critic`` is not None exactly when the run has a critic
+    (``jaxrl.trainer.stages.rollout.episodes``; None: one model turn per sample). ``critic`` is not
+    None exactly when the run has a critic
     (``advantage.estimator: gae``; the section's defaults when it is not given). ``filter``: the
     section of ``jaxrl filter`` only (docs/evaluation.md#the-pass-rate-filter). ``judges``: name ->
     the SGLang fleet of a judge model, which ``reward.tasks.<task>.judge.server`` names

@@ -154,7 +154,7 @@ def eval_main(argv: Sequence[str]) -> int:
 
     def body(setup: _Setup) -> int:
         from jaxrl.evaluation import evaluate
-        from jaxrl.trainer.episodes import environment_metrics
+        from jaxrl.trainer.stages.rollout.episodes import environment_metrics
 
         e = setup.config.eval
         if not setup.config.data.eval_files:
@@ -180,7 +180,7 @@ def _conversations(setup: _Setup):
     """(generate, played samples): with an ``env`` section, prompts are played as conversations
     with their environments, as the trainer's held-out evaluation plays them."""
     from jaxrl.env import EnvRouter
-    from jaxrl.trainer.episodes import recording_conversations
+    from jaxrl.trainer.stages.rollout.episodes import recording_conversations
 
     envs = EnvRouter(setup.config.env, setup.tokenizer) if setup.config.env is not None else None
     return recording_conversations(setup.engine, envs)

@@ -38,7 +38,8 @@ class UpdateGuard:
     def __init__(self, max_consecutive_skips: int, spike_factor: float, warn: Callable[[str], None],
                  prefix: str = "update"):
         self.prefix = prefix  # of its metrics; "critic" watches the critic's updates, named so in messages
-        self._whose, self._lr_key = ("the critic's ", "critic.lr") if prefix == "critic" else ("", "optimizer.lr")
+        self._whose, self._lr_key = (("the critic's ", "critic.optimizer.lr") if prefix == "critic"
+                                     else ("", "optimizer.lr"))
         self.max_consecutive_skips = max_consecutive_skips
         self.spike_factor = spike_factor
         self.warn = warn

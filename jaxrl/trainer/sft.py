@@ -32,7 +32,7 @@ from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, end_step, open_run
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.plots import plot_run
-from jaxrl.trainer.stages import update_names
+from jaxrl.trainer.update import update_names
 from jaxrl.trainer.update import accumulate, build_optimizer, make_train_step
 
 log = logging.getLogger(__name__)

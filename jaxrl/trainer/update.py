@@ -9,7 +9,8 @@
   models' logical axes, with non-finite updates skipped;
 - :func:`abstract_train_state`: the state's shapes and shardings, to lower and measure a step
   without allocating it;
-- :func:`rl_loss_fn`: the RL objective of one optimizer step over an ``UpdateBatch``.
+- :func:`rl_loss_fn`: the RL objective of one optimizer step over an ``UpdateBatch``;
+- :func:`update_names`: the train step's metric names as the logs show them (``update/*``).
 
 The RL and SFT trainers both update through this module; the models know nothing of it.
 """
@@ -112,8 +113,6 @@ def accumulate(micro_loss: Callable, micro_batches: int) -> Callable:
         return total, jax.tree.map(lambda m: jnp.mean(m.astype(jnp.float32), axis=0), metrics)
 
     return loss_fn
-
-
 
 
 @dataclasses.dataclass
@@ -301,3 +300,15 @@ def rl_loss_fn(objective: ObjectiveConfig, *, seed: int, micro_batches: int, chu
         return loss, {**metrics, **selection_metrics}
 
     return loss_fn
+
+
+def update_names(metrics: dict[str, Any]) -> dict[str, float]:
+    """The train step's and the loss's metric names -> the logged ``update/<name>``; the loss's
+    mismatch measurement (under bypass) keeps its own ``mismatch/`` family."""
+    out = {}
+    for name, value in metrics.items():
+        if name.startswith("mismatch_"):
+            out[f"mismatch/{name.removeprefix('mismatch_')}"] = float(value)
+        else:
+            out[name if name.startswith("update/") else f"update/{name}"] = float(value)
+    return out

@@ -105,17 +105,18 @@ def test_a_critic_whose_updates_are_all_non_finite_stops_the_run(run_config, tmp
     every critic update was skipped (``critic/nonfinite`` 1 at every step), nothing said so, and
     the run ended with exit status 0 on a critic that never learned. Now the critic's own guard
     warns of each skip and stops the run after ``update.max_consecutive_skips``, naming
-    ``critic.lr``; the critic's parameters are its initial ones, and its counts are logged."""
+    ``critic.optimizer.lr``; the critic's parameters are its initial ones, and its counts are logged."""
     trainer = _trainer(run_config(tmp_path, steps=4, advantage={"estimator": "gae"},
-                                  critic={"lr": 1e39, "clip_norm": 0.0}, update={"max_consecutive_skips": 2}))
+                                  critic={"optimizer": {"lr": 1e39, "clip_norm": 0.0}},
+                                  update={"max_consecutive_skips": 2}))
     try:
-        before = [np.asarray(x) for x in jax.tree.leaves(trainer.critic.state["params"])]
+        before = [np.asarray(x) for x in jax.tree.leaves(trainer.stage("advantage").state["params"])]
         with pytest.raises(NonFiniteUpdateError, match=r"step 2: the critic's 2 optimizer updates in a row .*"
-                                                       r"\(critic\.lr\)"):
+                                                       r"\(critic\.optimizer\.lr\)"):
             trainer.run()
-        for a, b in zip(before, jax.tree.leaves(trainer.critic.state["params"]), strict=True):
+        for a, b in zip(before, jax.tree.leaves(trainer.stage("advantage").state["params"]), strict=True):
             np.testing.assert_array_equal(a, np.asarray(b))
-        assert int(trainer.critic.state["step"]) == 0
+        assert int(trainer.stage("advantage").state["step"]) == 0
     finally:
         trainer.close()
     rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
@@ -126,8 +127,9 @@ def test_a_critic_whose_updates_are_all_non_finite_stops_the_run(run_config, tmp
 
 def test_the_critics_guard_resumes_where_it_stopped(run_config, tmp_path):
     """Its counts travel in the checkpoint: a resumed run stops after the same skip in a row."""
-    config = run_config(tmp_path, steps=1, advantage={"estimator": "gae"}, critic={"lr": 1e39, "clip_norm": 0.0},
-                        update={"max_consecutive_skips": 2}, checkpoint={"directory": str(tmp_path / "ck")})
+    config = run_config(tmp_path, steps=1, advantage={"estimator": "gae"},
+                        critic={"optimizer": {"lr": 1e39, "clip_norm": 0.0}}, update={"max_consecutive_skips": 2},
+                        checkpoint={"directory": str(tmp_path / "ck")})
     trainer = _trainer(config)
     try:
         trainer.run()
@@ -135,7 +137,7 @@ def test_the_critics_guard_resumes_where_it_stopped(run_config, tmp_path):
         trainer.close()
     trainer = _trainer({**config, "steps": 3}, resume=True)
     try:
-        assert trainer.critic.guard.consecutive_skips == 1
+        assert trainer.stage("advantage").guard.consecutive_skips == 1
         with pytest.raises(NonFiniteUpdateError, match="step 2: the critic's 2 optimizer updates"):
             trainer.run()
     finally:

@@ -291,7 +291,7 @@ def test_a_dead_judge_is_reported_by_its_url(judge):
 
 @needs_sglang
 def test_the_trainer_trains_on_the_judges_rewards_and_logs_its_metrics(judge, proxy, tmp_path, monkeypatch):
-    from jaxrl.trainer import stages
+    from jaxrl.trainer.stages import advantage as advantage_stage
     from jaxrl.trainer.metrics import read_jsonl
     from jaxrl.trainer.rl import RLTrainer
 
@@ -309,13 +309,13 @@ def test_the_trainer_trains_on_the_judges_rewards_and_logs_its_metrics(judge, pr
         "judges": {"grader": {"tokenizer": judge.tokenizer, "urls": [proxy.url], "use_chat_template": False}},
         "logging": {"progress": False, "tensorboard": False, "plots": False}})
     seen, scored = {}, []
-    real_advantages = stages.advantages
+    real_advantages = advantage_stage.advantages
 
     def advantages(batch, scores, valid, *args, **kwargs):
         seen.update(scores=np.asarray(scores), valid=np.asarray(valid))
         return real_advantages(batch, scores, valid, *args, **kwargs)
 
-    monkeypatch.setattr(stages, "advantages", advantages)
+    monkeypatch.setattr(advantage_stage, "advantages", advantages)
     trainer = RLTrainer(config)
     real_score = trainer.router.score
 

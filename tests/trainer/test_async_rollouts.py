@@ -11,7 +11,7 @@ from flax import nnx
 from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
-from jaxrl.trainer.rollouts import RolloutQueue
+from jaxrl.trainer.stages.rollout.queue import RolloutQueue
 
 import test_loop
 from test_loop import _comparable, _params, _run, make_config
@@ -26,12 +26,13 @@ def test_background_generation_at_staleness_0_equals_the_synchronous_loop(files,
     trainer = RLTrainer(make_config(files, tmp_path / "bg", steps=3))
     try:
         # Rebuild the queue with a worker (what max_staleness >= 1 uses), before anything was drawn.
-        trainer.rollouts.close()
-        trainer.iterator.restore(trainer.rollouts.state(0)["data"])
-        trainer.rollouts = RolloutQueue(trainer.iterator, trainer._generate, 0, background=True)
-        trainer.engine.update_weights(trainer._engine_weights(), version="0")
-        assert trainer._engine_needs_copy()
-        trainer.rollouts.fill(0)
+        trainer.stage("rollout").queue.close()
+        trainer.iterator.restore(trainer.stage("rollout").queue.state(0)["data"])
+        trainer.stage("rollout").queue = RolloutQueue(trainer.iterator, trainer.stage("rollout").generate, 0,
+                                                     background=True)
+        trainer.engine.update_weights(trainer.stage("push").engine_weights(), version="0")
+        assert trainer.stage("push").copies_weights()
+        trainer.stage("rollout").queue.fill(0)
         trainer.run()
         background = _params(trainer)
     finally:
@@ -51,16 +52,16 @@ def test_staleness_1_samples_the_previous_weights_and_corrects_against_them(file
                          objective={"mismatch_correction": "token-tis"})
     trainer = RLTrainer(config)
     taken = []
-    take = trainer.rollouts.take
-    trainer.rollouts.take = lambda index: taken.append(take(index)) or taken[-1]
+    take = trainer.stage("rollout").queue.take
+    trainer.stage("rollout").queue.take = lambda index: taken.append(take(index)) or taken[-1]
     versions = [jax.device_get(trainer.state["params"])]
     try:
-        assert trainer.rollouts.background and trainer._engine_needs_copy()
+        assert trainer.stage("rollout").queue.background and trainer.stage("push").copies_weights()
         rows = []
         for _ in range(3):
             rows.append(trainer.train_step_once())
             versions.append(jax.device_get(trainer.state["params"]))
-        graphdef = trainer.train_step.graphdef
+        graphdef = trainer.learner.train_step.graphdef
     finally:
         trainer.close()
     for k, batch in enumerate(taken, start=1):

@@ -18,7 +18,7 @@ def test_dumped_batch_is_token_aligned_and_passes_the_checker(files, tmp_path):
     dump_path = tmp_path / "run" / "batches" / "step-000001.npz"
     trainer = RLTrainer(config)
     seen = {}
-    update = trainer._update
+    update = trainer.stage("update").update
 
     def score_then_update(batch, step, skip):
         # The dump is written before the update; score it with the checker's own token-aligned
@@ -28,7 +28,7 @@ def test_dumped_batch_is_token_aligned_and_passes_the_checker(files, tmp_path):
         seen["recomputed"] = sequence_logprobs(trainer.model(), dumped.token_ids, dumped.lengths)
         return update(batch, step, skip)
 
-    trainer._update = score_then_update
+    trainer.stage("update").update = score_then_update
     try:
         trainer.run()
     finally:

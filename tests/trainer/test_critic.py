@@ -21,7 +21,7 @@ from jaxrl.losses.value import clipped_value_loss
 from jaxrl.reward import RewardResult, SandboxedRewardRouter, ScoredBatch, TaskRewardConfig
 from jaxrl.trainer.checkpoint import CheckpointMismatchError
 from jaxrl.trainer.config import CriticConfig, TrainConfig
-from jaxrl.trainer.critic import token_rewards
+from jaxrl.trainer.stages.advantage.value import token_rewards
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
 from test_loop import make_config
@@ -60,14 +60,14 @@ def _leaves(tree):
 
 def _record_gae_batches(trainer) -> list:
     """The batches the critic's advantage stage returned, step by step."""
-    batches, original = [], trainer.critic.advantages
+    batches, original = [], trainer.stage("advantage").advantages
 
     def advantages(batch, scored, objective):
         batch, metrics = original(batch, scored, objective)
         batches.append((batch, scored))
         return batch, metrics
 
-    trainer.critic.advantages = advantages
+    trainer.stage("advantage").advantages = advantages
     return batches
 
 
@@ -80,7 +80,7 @@ def test_critic_explains_per_token_rewards(files, tmp_path):
     rises from 0 (a zero head) above 0.5 within 10 steps (measured 0.82-1.0 at step 10 over seeds
     3, 5 and 7). Short responses (2 tokens) keep the returns learnable by the tiny critic."""
     config = make_config(files, tmp_path / "run", steps=10, advantage=GAE, reward=_reward("digit_token_reward"),
-                         critic={"lr": 3e-3, "value_clip": None}, update={"mini_batches": 4},
+                         critic={"optimizer": {"lr": 3e-3}, "value_clip": None}, update={"mini_batches": 4},
                          rollout={"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 2})
     trainer = RLTrainer(config)
     batches = _record_gae_batches(trainer)
@@ -148,10 +148,10 @@ def test_ppo_with_gae_raises_heldout_reward(tmp_path):
     write_demo_files(root, max_operand=10, heldout=20)
     quiet = ["logging.progress=false", "logging.tensorboard=false", "logging.plots=false"]
     run_sft(root, ["sft.stages=[{steps: 200, max_length: 16}]", *quiet])
-    summary = run_rl(root, ["steps=50", "rollout.prompts_per_step=16", "advantage.estimator=gae", "critic.lr=1e-3",
-                            "critic.warmup_steps=5", "optimizer.lr=5e-4", "optimizer.schedule=cosine",
-                            "reward.mask_unparsable=false", "eval.samples=32", "eval.every=0", "checkpoint.directory=",
-                            *quiet])
+    summary = run_rl(root, ["steps=50", "rollout.prompts_per_step=16", "advantage.estimator=gae",
+                            "critic.optimizer.lr=1e-3", "critic.warmup_steps=5", "optimizer.lr=5e-4",
+                            "optimizer.schedule=cosine", "reward.mask_unparsable=false", "eval.samples=32",
+                            "eval.every=0", "checkpoint.directory=", *quiet])
     start, end = summary["heldout_start"], summary["heldout_end"]
     print(f"held-out reward {start:.3f} -> {end:.3f}")
     assert 0.05 < start < 0.8
@@ -163,16 +163,18 @@ def test_ppo_with_gae_raises_heldout_reward(tmp_path):
 # ---------------------------------------------------------------- warm-up
 
 def test_critic_warmup_trains_only_the_critic(files, tmp_path):
-    config = make_config(files, tmp_path / "run", steps=2, advantage=GAE, critic={"lr": 1e-2, "warmup_steps": 1})
+    config = make_config(files, tmp_path / "run", steps=2, advantage=GAE,
+                         critic={"optimizer": {"lr": 1e-2}, "warmup_steps": 1})
     trainer = RLTrainer(config)
     try:
         policy = (_host(trainer.state["params"]), _host(trainer.state["opt_state"]))
-        critic = (_host(trainer.critic.state["params"]), _host(trainer.critic.state["opt_state"]))
+        critic_stage = trainer.stage("advantage")
+        critic = (_host(critic_stage.state["params"]), _host(critic_stage.state["opt_state"]))
         first = trainer.train_step_once()
         for before, after in zip(policy, (trainer.state["params"], trainer.state["opt_state"]), strict=True):
             for a, b in zip(_leaves(before), _leaves(after), strict=True):
                 np.testing.assert_array_equal(a, b)
-        for before, after in zip(critic, (trainer.critic.state["params"], trainer.critic.state["opt_state"]),
+        for before, after in zip(critic, (critic_stage.state["params"], critic_stage.state["opt_state"]),
                                  strict=True):
             assert any(not np.array_equal(a, b) for a, b in zip(_leaves(before), _leaves(after), strict=True))
         second = trainer.train_step_once()
@@ -188,12 +190,12 @@ def test_critic_warmup_trains_only_the_critic(files, tmp_path):
 # ---------------------------------------------------------------- resume
 
 def _gae_run(files, out, steps, resume=False, **sections):
-    config = make_config(files, out, steps=steps, advantage=GAE, critic={"lr": 1e-2},
+    config = make_config(files, out, steps=steps, advantage=GAE, critic={"optimizer": {"lr": 1e-2}},
                          checkpoint={"every": 1, "keep": 2, "directory": str(out / "ck")}, **sections)
     trainer = RLTrainer(config, resume=resume)
     try:
         trainer.run()
-        return _leaves(trainer.state), _leaves(trainer.critic.state)
+        return _leaves(trainer.state), _leaves(trainer.stage("advantage").state)
     finally:
         trainer.close()
 
@@ -227,22 +229,22 @@ def test_gae_step_equals_a_hand_rolled_step(files, tmp_path, monkeypatch):
     numpy on ``rl_objective`` (the policy) and ``clipped_value_loss`` (the critic)."""
     config = make_config(files, tmp_path / "run", steps=2, advantage=GAE, update={"mini_batches": 2},
                          optimizer={"lr": opts.LR, "eps": opts.EPS, "clip_norm": 0.0},
-                         critic={"lr": opts.LR, "eps": opts.EPS, "clip_norm": 0.0, "value_clip": 0.05})
+                         critic={"optimizer": {"lr": opts.LR, "eps": opts.EPS, "clip_norm": 0.0}, "value_clip": 0.05})
     trainer = RLTrainer(config)
     recorded = _record_gae_batches(trainer)
-    critic_graphdef = trainer.critic.train_step.graphdef
-    run = opts.Run(config, trainer.train_step.graphdef, _host(trainer.state["params"]))
-    critic_params = [_host(trainer.critic.state["params"])]
-    original_update = trainer._update
+    critic_graphdef = trainer.stage("advantage").train_step.graphdef
+    run = opts.Run(config, trainer.learner.train_step.graphdef, _host(trainer.state["params"]))
+    critic_params = [_host(trainer.stage("advantage").state["params"])]
+    original_update = trainer.stage("update").update
 
     def update(batch, step, skip):
         run.batches.append(batch)
         run.skips.append(skip)
         out = original_update(batch, step, skip)
-        critic_params.append(_host(trainer.critic.state["params"]))
+        critic_params.append(_host(trainer.stage("advantage").state["params"]))
         return out
 
-    trainer._update = update
+    trainer.stage("update").update = update
     try:
         trainer.run()
         run.final = _host(trainer.state["params"])
@@ -277,9 +279,9 @@ def test_gae_step_equals_a_hand_rolled_step(files, tmp_path, monkeypatch):
 def _hand_rolled_critic(config, graphdef, initial, batches):
     """The critic's parameters after its steps: on each mini-batch, the token-mean clipped value
     loss, ``jax.grad``, then Adam in numpy (Kingma & Ba, Algorithm 1)."""
-    c = config.critic
+    c, o = config.critic, config.critic.optimizer
     params = jax.tree.map(jnp.asarray, initial)
-    adam = opts.NumpyAdam(params, lr=c.lr, b1=c.b1, b2=c.b2, eps=c.eps)
+    adam = opts.NumpyAdam(params, lr=o.lr, b1=o.b1, b2=o.b2, eps=o.eps)
     for batch in batches:
         for _, mini in opts._mini_batches(opts.Run(config, None, None), batch):
             def loss(p, mini=mini):
@@ -299,12 +301,14 @@ def test_critic_update_ignores_packing_micro_batches_and_the_mesh(files, tmp_pat
     runs = []
     for name, changes in (("plain", {}), ("split", {"update": {"pack": True, "micro_batches": 2},
                                                     "mesh": {"data": 2}})):
-        config = make_config(files, tmp_path / name, steps=2, advantage=GAE, optimizer=exact, critic=exact, **changes)
+        config = make_config(files, tmp_path / name, steps=2, advantage=GAE, optimizer=exact,
+                             critic={"optimizer": exact}, **changes)
         trainer = RLTrainer(config)
         try:
-            initial = _leaves(trainer.critic.state["params"])
+            initial = _leaves(trainer.stage("advantage").state["params"])
             trainer.run()
-            runs.append((initial, _leaves(trainer.critic.state["params"]), _leaves(trainer.state["params"])))
+            critic = trainer.stage("advantage").state["params"]
+            runs.append((initial, _leaves(critic), _leaves(trainer.state["params"])))
         finally:
             trainer.close()
     (initial, plain_critic, plain_policy), (_, split_critic, split_policy) = runs
@@ -325,18 +329,21 @@ def test_config_errors_name_the_key():
     assert load_config(TrainConfig, demo).critic is None
     with pytest.raises(ConfigError, match=r"critic.\* is set but advantage.estimator='grpo' uses no critic; the "
                                           r"critic exists only with advantage.estimator=gae"):
-        load_config(TrainConfig, demo, ["critic.lr=1e-5"])
+        load_config(TrainConfig, demo, ["critic.optimizer.lr=1e-5"])
     for override, message in [
-        ("critic.lr=0", r"critic.lr=0.0 must be > 0"),
+        ("critic.optimizer.lr=0", r"critic.optimizer.lr=0.0 must be > 0"),
         ("critic.value_clip=-0.1", r"critic.value_clip=-0.1 must be > 0, or null"),
         ("critic.warmup_steps=-1", r"critic.warmup_steps=-1 must be >= 0"),
-        ("critic.b2=1.0", r"critic.b2=1.0 must be in \[0, 1\)"),
-        ("critic.schedule=linear", r"critic.schedule: 'linear' is not allowed"),
+        ("critic.optimizer.b2=1.0", r"critic.optimizer.b2=1.0 must be in \[0, 1\)"),
+        ("critic.optimizer.schedule=linear", r"critic.optimizer.schedule: 'linear' is not allowed"),
         ("critic.lrr=1", r"unknown key critic.lrr .*allowed keys: .*'value_clip'"),
         ("advantage.lam=1.5", r"advantage.lam=1.5 must be a number in \[0, 1\]"),
         ("advantage.gamma=-1", r"advantage.gamma=-1.0 must be a number in \[0, 1\]"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(TrainConfig, demo, ["advantage.estimator=gae", override])
+    # A partial critic.optimizer keeps the critic's own learning rate (1e-5), not the policy's default.
+    clipped = load_config(TrainConfig, demo, ["advantage.estimator=gae", "critic.optimizer.clip_norm=0.5"]).critic
+    assert (clipped.optimizer.lr, clipped.optimizer.clip_norm) == (1e-5, 0.5)
     unclipped = load_config(TrainConfig, demo, ["advantage.estimator=gae", "critic.value_clip=null"])
     assert unclipped.critic.value_clip is None

@@ -11,7 +11,7 @@ import pytest
 from jaxrl.trainer.rl import RLTrainer
 
 import test_loop
-from test_loop import _params, make_config
+from test_loop import _params, make_config, spy
 
 files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
 
@@ -33,24 +33,23 @@ def run_recording(config):
     """Runs the trainer; returns every draw's (prompts, scores [P, G]) in draw order per step and
     each step's trained (prompts, scores) and metrics."""
     trainer = RLTrainer(config)
-    draws, trained = [], []
-    draw, pack = trainer._draw, trainer._pack
+    draws = []
+    reward, packing = trainer.stage("reward"), spy(trainer, "pack")
+    score = reward.score
 
-    def recording_draw(examples, index, *args, **kwargs):
-        drawn = draw(examples, index, *args, **kwargs)
-        draws.append((index, [e.prompt for e in examples], drawn.scored.scores.reshape(len(examples), -1)))
-        return drawn
+    def recording_score(record):
+        scored = score(record)
+        draws.append((trainer.step + 1, [e.prompt for e in record.examples],
+                      scored.scored.scores.reshape(len(record.examples), -1)))
+        return scored
 
-    def recording_pack(flat, scored):
-        prompts = [e.prompt for e, _ in flat][::config.rollout.group_size]
-        trained.append((prompts, scored.scores.reshape(len(prompts), -1)))
-        return pack(flat, scored)
-
-    trainer._draw, trainer._pack = recording_draw, recording_pack
+    reward.score = recording_score
     try:
         rows = [trainer.train_step_once() for _ in range(config.steps)]
     finally:
         trainer.close()
+    trained = [([e.prompt for e in record.examples], record.scored.scores.reshape(len(record.examples), -1))
+               for record, _, _ in packing.calls]
     return draws, trained, rows
 
 
@@ -97,8 +96,9 @@ def test_epochs_run_the_mini_batches_again_over_the_same_batch(files, tmp_path):
         finally:
             trainer.close()
     trainer = RLTrainer(config("hand", 1))
-    one_pass = trainer._update
-    trainer._update = lambda batch, step, skip: (one_pass(batch, step, skip), one_pass(batch, step, skip))[1]
+    update = trainer.stage("update")
+    one_pass = update.update
+    update.update = lambda batch, step, skip: (one_pass(batch, step, skip), one_pass(batch, step, skip))[1]
     try:
         trainer.run()
         params["hand"] = _params(trainer)

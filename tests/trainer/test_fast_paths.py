@@ -101,14 +101,14 @@ def test_jitted_step_statistics_equal_the_op_by_op_values():
 
     from jaxrl.losses import mismatch_metrics, mismatch_metrics_by_rollout_prob
     from jaxrl.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, sequence_advantages
-    from jaxrl.trainer import stages
+    from jaxrl.trainer.stages import recompute as recompute_stage
 
     rng = np.random.default_rng(0)
     old = np.log(rng.uniform(1e-6, 1.0, (8, 24))).astype(np.float32)
     rollout = (old + rng.normal(0, 0.05, old.shape)).astype(np.float32)
     mask = (rng.random(old.shape) < 0.7).astype(np.float32)
     entropy = rng.uniform(0, 3, old.shape).astype(np.float32)
-    got = jax.device_get(stages._recompute_statistics(old, rollout, mask, entropy))
+    got = jax.device_get(recompute_stage._recompute_statistics(old, rollout, mask, entropy))
     with jax.disable_jit():
         pair = (jnp.asarray(old), jnp.asarray(rollout), jnp.asarray(mask))
         eager = {"mismatch": mismatch_metrics(*pair), "buckets": mismatch_metrics_by_rollout_prob(*pair)}

@@ -13,7 +13,7 @@ import pytest
 
 import test_loop
 from jaxrl.trainer.metrics import read_jsonl
-from test_loop import make_config
+from test_loop import make_config, spy
 
 files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
 GRADIENT_STEP = {"lr": 1.0, "eps": 1.0, "clip_norm": 0.0}
@@ -72,14 +72,7 @@ def test_packed_rl_update_equals_one_sample_per_row(files, tmp_path):
     changes, rows, batches = [], [], []
 
     def record(trainer):
-        pack = trainer._pack
-
-        def recording(flat, scored):
-            batch, valid = pack(flat, scored)
-            batches.append(batch)
-            return batch, valid
-
-        trainer._pack = recording
+        batches.append(spy(trainer, "pack"))
 
     for name, update in (("unpacked", {}), ("packed", {"pack": True}),
                          ("shared", {"pack": True, "share_prefix": True})):
@@ -101,7 +94,8 @@ def test_packed_rl_update_equals_one_sample_per_row(files, tmp_path):
     assert "update/shared_prefix_fraction" not in packed
     # Two samples of each prompt per micro-batch; the packer shares a prompt unless the longer rows that
     # would take cost more cells than it saves, so it skips some of the columns it could.
-    batch = batches[2]
+    (_, packed_record, _), = batches[2].calls  # the shared run's packed batch
+    batch = packed_record.batch
     most = _shared_columns(batch, 2, 2) / batch.num_tokens
     assert most > 0.1
     assert 0.5 * most < shared["update/shared_prefix_fraction"] <= most
@@ -173,7 +167,7 @@ def test_context_parallel_reaches_the_learner_and_changes_no_update(files, tmp_p
     traced = []
 
     def check(trainer):
-        assert trainer.length == 12  # 11 columns, padded to a multiple of the 4 sequence shards
+        assert trainer.stage("pack").length == 12  # 11 columns, padded to a multiple of the 4 sequence shards
 
     original = context_parallel.ulysses
     monkeypatch.setattr(context_parallel, "ulysses", lambda *a, **k: traced.append(1) or original(*a, **k))

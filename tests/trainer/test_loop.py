@@ -65,6 +65,30 @@ def _run(config, resume=False):
         trainer.close()
 
 
+class StageSpy:
+    """Stands in the trainer's step for one of its stages (everything else is the stage's own):
+    ``calls`` holds every call's (record in, record out, metrics)."""
+
+    def __init__(self, stage):
+        self.stage = stage
+        self.calls = []
+
+    def __call__(self, record, step):
+        out, metrics = self.stage(record, step)
+        self.calls.append((record, out, metrics))
+        return out, metrics
+
+    def __getattr__(self, name):
+        return getattr(self.stage, name)
+
+
+def spy(trainer, name: str) -> StageSpy:
+    """Puts a :class:`StageSpy` in the place of ``trainer``'s stage ``name``."""
+    index = [s.name for s in trainer.stages].index(name)
+    trainer.stages[index] = StageSpy(trainer.stages[index])
+    return trainer.stages[index]
+
+
 def _comparable(rows):
     return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
 
@@ -129,26 +153,20 @@ STAGE_PREFIXES = ("rollout/", "reward/", "recompute/", "mismatch/", "mismatch_bu
                   "update/", "push/", "time/", "data/", "heldout/")
 
 
-def test_each_metric_names_its_stage_and_no_stage_overwrites_another(files, tmp_path, monkeypatch):
+def test_each_metric_names_its_stage_and_no_stage_overwrites_another(files, tmp_path):
     """Every logged key carries its stage's prefix, and keys two stages both measure stay apart:
     the policy entropy before the update (recompute) and in the loss (update), the batch filter's
     verdict (filter) and the loss's own report of it (update). Before, ``entropy`` and
     ``batch_filter_*`` were each written twice per step, the last writer winning."""
-    from jaxrl.trainer import stages
-
-    written = []
-    for name in ("rollout_metrics", "reward_metrics", "recompute", "advantages", "batch_filter_stage", "update_names"):
-        stage = getattr(stages, name)
-
-        def record(*args, _stage=stage, **kwargs):
-            out = _stage(*args, **kwargs)
-            written.append(set(out if isinstance(out, dict) else out[1]))
-            return out
-
-        monkeypatch.setattr(stages, name, record)
     config = make_config(files, tmp_path / "run", steps=1, update={"mini_batches": 2},
                          objective={"entropy_coef": 0.01, "batch_filter_threshold": 10.0})
-    _run(config)
+    trainer = RLTrainer(config)
+    spies = [spy(trainer, stage.name) for stage in list(trainer.stages)]
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    written = [set(metrics) for s in spies for _, _, metrics in s.calls]
     row = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))[0]
     assert all(key.startswith(STAGE_PREFIXES) for key in row if key != "step"), sorted(row)
     assert {"recompute/entropy", "update/entropy", "filter/skip", "update/batch_filter_skip"} <= set(row)
@@ -237,7 +255,7 @@ def test_a_push_that_does_not_load_the_weights_is_caught(files, tmp_path):
     from flax import nnx
 
     frozen = jax.tree.map(lambda x: x.copy(), trainer.state["params"])  # The train step donates the live arrays.
-    stale = StaleSampler(nnx.merge(trainer.train_step.graphdef, frozen), max_batch=16)
+    stale = StaleSampler(nnx.merge(trainer.learner.train_step.graphdef, frozen), max_batch=16)
     stale.update_weights(None, "0")
     trainer.engine = stale
     trainer.train_step_once()  # Step 1 samples the initial weights, which the learner still has.
@@ -311,8 +329,8 @@ def test_the_embedded_sampler_stops_at_the_models_own_eos_ids(files, tmp_path):
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id, digit]}))
     trainer = RLTrainer(make_config(files, tmp_path / "run", steps=1, model={"hf_path": str(path)}))
     try:
-        assert trainer._sampling(seed=0).stop_token_ids == (tokenizer.eos_token_id, digit)
-        samples = trainer._rollout(trainer.examples[:4], seed=0, n=4)
+        assert trainer.stage("rollout").sampling(seed=0).stop_token_ids == (tokenizer.eos_token_id, digit)
+        samples = trainer.stage("rollout").rollout(trainer.examples[:4], seed=0, n=4)
     finally:
         trainer.close()
     outputs = [s.output_ids.tolist() for group in samples for s in group]

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxrl.models import make_mesh
 from jaxrl.rollout.sampler import JaxSampler
 from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
-from jaxrl.trainer import stages
+from jaxrl.trainer.stages import recompute as recompute_stage
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.model import build_model
 from jaxrl.trainer.rl import RLTrainer
@@ -97,7 +97,7 @@ def embedded_engine(config, scale: float = ROUTER_NOISE):
 def run(config, engine, steps_to_record=()):
     """(rows of metrics, params before, params after, {step: the recompute's StepBatch})."""
     recorded = {}
-    recompute = stages.recompute
+    recompute = recompute_stage.recompute
 
     def recording(batch, *args, **kwargs):
         out = recompute(batch, *args, **kwargs)
@@ -105,14 +105,14 @@ def run(config, engine, steps_to_record=()):
         return out
 
     trainer = RLTrainer(config, engine=engine)
-    stages.recompute = recording
+    recompute_stage.recompute = recording
     try:
-        graphdef = trainer.train_step.graphdef
+        graphdef = trainer.learner.train_step.graphdef
         before = jax.device_get(trainer.state["params"])
         trainer.run()
         after = jax.device_get(trainer.state["params"])
     finally:
-        stages.recompute = recompute
+        recompute_stage.recompute = recompute
         trainer.close()
     return read_jsonl(str(config.output_dir) + "/metrics.jsonl"), graphdef, before, after, recorded
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from jaxrl.env import Environment, EnvLimits, StepResult
 from jaxrl.rollout.base import Conversation
-from jaxrl.trainer import episodes, rl, stages
+from jaxrl.trainer.stages import recompute as recompute_stage, reward as reward_stage
+from jaxrl.trainer.stages.rollout import episodes
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
 from jaxrl.cli import main
@@ -66,23 +67,23 @@ ENV = {"task_field": "none", "default_task": "count",
 
 def test_conversations_train_on_the_model_tokens_only(files, tmp_path, monkeypatch):
     recorded = []
-    recompute = stages.recompute
+    recompute = recompute_stage.recompute
 
     def recording(batch, *args, **kwargs):
         out = recompute(batch, *args, **kwargs)
         recorded.append(out[0])
         return out
 
-    monkeypatch.setattr(stages, "recompute", recording)
+    monkeypatch.setattr(recompute_stage, "recompute", recording)
     combined = []
-    with_environment_rewards = rl.with_environment_rewards
-    monkeypatch.setattr(rl, "with_environment_rewards",
+    with_environment_rewards = reward_stage.with_environment_rewards
+    monkeypatch.setattr(reward_stage, "with_environment_rewards",
                         lambda scored, samples: combined.append((scored, with_environment_rewards(scored, samples)))
                         or combined[-1][1])
     trainer = RLTrainer(make_config(files, tmp_path, steps=1, env=ENV))
     taken = []
-    take = trainer.rollouts.take
-    trainer.rollouts.take = lambda index: taken.append(take(index)) or taken[-1]
+    take = trainer.stage("rollout").queue.take
+    trainer.stage("rollout").queue.take = lambda index: taken.append(take(index)) or taken[-1]
     try:
         row = trainer.train_step_once()
     finally:

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from jaxrl import losses
-from jaxrl.trainer import stages
+from jaxrl.trainer.stages import advantage as advantage_stage
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
 import test_loop
@@ -69,9 +69,10 @@ def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=N
                          rollout=rollout or {}, update={"mini_batches": 2, **(update or {})},
                          optimizer={"lr": LR, "eps": EPS, "clip_norm": 0.0})
     trainer = RLTrainer(config)
-    run = Run(config, trainer.train_step.graphdef, _host(trainer.state["params"]), tokenizer=trainer.tokenizer)
-    original_update, original_advantages = trainer._update, stages.advantages
-    original_score, original_rollout = trainer.scorer.score, trainer._rollout
+    run = Run(config, trainer.learner.train_step.graphdef, _host(trainer.state["params"]), tokenizer=trainer.tokenizer)
+    update_stage, recompute_stage, rollout_stage = (trainer.stage(name) for name in ("update", "recompute", "rollout"))
+    original_update, original_advantages = update_stage.update, advantage_stage.advantages
+    original_score, original_rollout = recompute_stage.scorer.score, rollout_stage.rollout
 
     def update(batch, step, skip):
         run.batches.append(batch)
@@ -94,13 +95,13 @@ def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=N
         run.recomputes += 1
         return original_score(params, *inputs, **options)
 
-    trainer._update, trainer.scorer.score, trainer._rollout = update, score, rollout
-    monkeypatch.setattr(stages, "advantages", advantages)
+    update_stage.update, recompute_stage.scorer.score, rollout_stage.rollout = update, score, rollout
+    monkeypatch.setattr(advantage_stage, "advantages", advantages)
     try:
         trainer.run()
         run.final = _host(trainer.state["params"])
         run.opt_state_after = _host(trainer.state["opt_state"])
-        run.reference_after = None if trainer.reference is None else _host(trainer.reference)
+        run.reference_after = None if trainer.learner.reference is None else _host(trainer.learner.reference)
     finally:
         trainer.close()
     run.rows = read_jsonl(str(out / "metrics.jsonl"))

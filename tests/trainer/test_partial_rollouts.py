@@ -1,4 +1,4 @@
-"""Partial rollouts (rollout.partial_tokens, jaxrl.trainer.partial): the queue's rounds on a
+"""Partial rollouts (rollout.partial_tokens, jaxrl.trainer.stages.rollout.partial): the queue's rounds on a
 scripted engine whose sample lengths are known, then the trainer with the embedded sampler."""
 
 import json
@@ -11,9 +11,9 @@ import test_loop
 from jaxrl.models import ModelConfig
 from jaxrl.rollout.base import Sample
 from jaxrl.rollout.sglang.testing import write_random_checkpoint
-from jaxrl.trainer import stages
+from jaxrl.trainer.stages import recompute as recompute_stage
 from jaxrl.trainer.metrics import read_jsonl
-from jaxrl.trainer.partial import PartialRolloutQueue
+from jaxrl.trainer.stages.rollout.partial import PartialRolloutQueue
 from jaxrl.trainer.rl import RLTrainer
 from test_loop import ARCHITECTURE, make_config
 
@@ -146,9 +146,9 @@ def stopping_checkpoint(tmp_path_factory):
 def run(config, resume=False):
     """(metrics rows, final params, {step: (samples, the recompute's batch)})."""
     recorded = {}
-    recompute = stages.recompute
+    recompute = recompute_stage.recompute
     trainer = RLTrainer(config, resume=resume)
-    take = trainer.rollouts.take
+    take = trainer.stage("rollout").queue.take
 
     def taking(index):
         batch = take(index)
@@ -160,13 +160,13 @@ def run(config, resume=False):
         recorded[trainer.step + 1].append(out[0])
         return out
 
-    trainer.rollouts.take = taking
-    stages.recompute = recording
+    trainer.stage("rollout").queue.take = taking
+    recompute_stage.recompute = recording
     try:
         trainer.run()
         params = [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
     finally:
-        stages.recompute = recompute
+        recompute_stage.recompute = recompute
         trainer.close()
     return read_jsonl(str(config.output_dir) + "/metrics.jsonl"), params, recorded
 

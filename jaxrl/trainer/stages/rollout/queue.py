@@ -1,4 +1,4 @@
-"""The trainer's rollout stage: each step's prompts and their samples, generated ahead of the learner.
+"""The rollout queue: each step's prompts and their samples, generated ahead of the learner.
 
 ``rollout.max_staleness`` (s) bounds how many optimizer updates a batch's weights may lag the
 learner's (docs/training.md#asynchronous-rollouts). Batch ``k`` is generated with the weights
@@ -24,7 +24,6 @@ hold, and is regenerated on resume from the same prompts and seed.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import dataclasses
 import time
@@ -32,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxrl.rollout.base import LogprobKind, Sample
+from jaxrl.trainer.stages.rollout.records import decode_groups, encode_groups
 
 # (examples, batch index) -> (samples [prompt][sample], greedy samples [prompt][1] or None)
 GenerateFn = Callable[[list, int], tuple[list, list | None]]
@@ -116,8 +115,8 @@ class RolloutQueue:
         for saved in record.get("pending", ()):
             batch = RolloutBatch(int(saved["index"]), [], int(saved["weights"]), self.iterator.state())
             batch.examples = next(self.iterator)
-            batch.samples = _decode_groups(saved["samples"], batch.examples)
-            batch.greedy = None if saved["greedy"] is None else _decode_groups(saved["greedy"], batch.examples)
+            batch.samples = decode_groups(saved["samples"], batch.examples)
+            batch.greedy = None if saved["greedy"] is None else decode_groups(saved["greedy"], batch.examples)
             batch.generate_seconds = float(saved["generate_seconds"])
             self._pending[batch.index] = batch
 
@@ -150,80 +149,7 @@ def staleness_metrics(batch: RolloutBatch, learner_version: int) -> dict[str, fl
     return {"rollout/staleness_mean": float(np.mean(lags)), "rollout/staleness_max": float(np.max(lags))}
 
 
-def sampler_batch(config) -> int:
-    """The most sequences the embedded sampler decodes at once: ``rollout.max_batch``, or (0) a step's
-    whole batch or the held-out evaluation's, whichever is larger."""
-    r = config.rollout
-    return r.max_batch or max(r.prompts_per_step * r.group_size, config.eval.max_prompts * config.eval.samples)
-
-
-# ---------------------------------------------------------------- sample records
-
-def _b64(array: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
-
-
-def _unb64(text: str, dtype) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(text), dtype).copy()
-
-
 def _encode_batch(batch: RolloutBatch) -> dict[str, Any]:
     return {"index": batch.index, "weights": batch.weights, "generate_seconds": batch.generate_seconds,
-            "samples": _encode_groups(batch.samples),
-            "greedy": None if batch.greedy is None else _encode_groups(batch.greedy)}
-
-
-def _encode_groups(groups: list[list[Sample]]) -> dict[str, Any]:
-    """Samples [prompt][sample] as flat arrays (exact: the float32 bits travel as bytes)."""
-    flat = [s for group in groups for s in group]
-    routed = flat[0].routed_experts is not None
-    record = {
-        "group_sizes": [len(g) for g in groups], "lengths": [len(s.output_ids) for s in flat],
-        "finish_reasons": [s.finish_reason for s in flat], "weight_versions": [s.weight_version for s in flat],
-        "logprob_kind": flat[0].logprob_kind.value,
-        "output_ids": _b64(np.concatenate([s.output_ids for s in flat]).astype(np.int32)),
-        "output_logprobs": _b64(np.concatenate([s.output_logprobs for s in flat]).astype(np.float32)),
-        "routes": None,
-        "versions": None if flat[0].output_versions is None
-        else _b64(np.concatenate([s.output_versions for s in flat]).astype(np.int32)),
-    }
-    if routed:
-        record["routes"] = {
-            "shape": list(flat[0].routed_experts.shape[1:]),
-            "output": _b64(np.concatenate([s.routed_experts for s in flat]).astype(np.int32)),
-            "prompt": _b64(np.concatenate([s.prompt_routed_experts for s in flat]).astype(np.int32)),
-        }
-    return record
-
-
-def _decode_groups(record: dict[str, Any], examples: list) -> list[list[Sample]]:
-    sizes, lengths = record["group_sizes"], np.asarray(record["lengths"])
-    if len(sizes) != len(examples):
-        raise ValueError(f"a checkpoint's pending rollout batch holds {len(sizes)} prompts but the restored data "
-                         f"iterator drew {len(examples)}; resume with the data settings the run was saved with")
-    ends = np.cumsum(lengths)
-    ids = np.split(_unb64(record["output_ids"], np.int32), ends[:-1])
-    logps = np.split(_unb64(record["output_logprobs"], np.float32), ends[:-1])
-    routes = record["routes"]
-    versions = [None] * len(lengths)
-    if record.get("versions") is not None:  # absent in checkpoints written before partial rollouts
-        versions = np.split(_unb64(record["versions"], np.int32), ends[:-1])
-    prompt_routes = output_routes = [None] * len(lengths)
-    if routes is not None:
-        shape = tuple(routes["shape"])
-        output_routes = np.split(_unb64(routes["output"], np.int32).reshape(-1, *shape), ends[:-1])
-        prompt_ends = np.cumsum([len(e.prompt_ids) - 1 for e, n in zip(examples, sizes, strict=True)
-                                 for _ in range(n)])
-        prompt_routes = np.split(_unb64(routes["prompt"], np.int32).reshape(-1, *shape), prompt_ends[:-1])
-    groups, j = [], 0
-    for example, n in zip(examples, sizes, strict=True):
-        group = []
-        for _ in range(n):
-            group.append(Sample(
-                prompt_ids=np.asarray(example.prompt_ids, np.int32), output_ids=ids[j], output_logprobs=logps[j],
-                finish_reason=record["finish_reasons"][j], weight_version=record["weight_versions"][j],
-                logprob_kind=LogprobKind(record["logprob_kind"]), routed_experts=output_routes[j],
-                prompt_routed_experts=prompt_routes[j], output_versions=versions[j]))
-            j += 1
-        groups.append(group)
-    return groups
+            "samples": encode_groups(batch.samples),
+            "greedy": None if batch.greedy is None else encode_groups(batch.greedy)}

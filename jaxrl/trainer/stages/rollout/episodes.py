@@ -10,21 +10,18 @@ step is the single-turn one, with three differences:
 - the loss, its normaliser and the mismatch metrics see the model's tokens only (the step
   batch's ``mask`` and ``generated`` come from ``output_mask``);
 - the task's reward function scores the text of the model's tokens (tool responses left out),
-  and an environment's own reward, when it gives one, is added to that score;
+  and an environment's own reward, when it gives one, is added to that score (the reward
+  stage, ``jaxrl.trainer.stages.reward``);
 - ``env/*`` metrics (``jaxrl.env.rollout.episode_metrics``) and the mismatch of the first model
   turn against the later ones (``mismatch_turn/first_turn_*``, ``mismatch_turn/later_turns_*``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
-
-import numpy as np
 
 from jaxrl.env import EnvRouter
 from jaxrl.env.rollout import episode_metrics, run_episodes
-from jaxrl.reward.base import ScoredBatch
 from jaxrl.rollout.base import RolloutEngine, Sample, SamplingParams
 
 
@@ -52,15 +49,6 @@ def recording_conversations(engine: RolloutEngine, envs: EnvRouter | None):
         return samples
 
     return generate, played
-
-
-def with_environment_rewards(scored: ScoredBatch, samples: Sequence[Sample]) -> ScoredBatch:
-    """The task's scores plus each conversation's environment reward (where it gave one)."""
-    rewards = np.asarray([0.0 if s.episode is None or s.episode.reward is None else float(s.episode.reward)
-                          for s in samples], np.float32)
-    if not rewards.any():
-        return scored
-    return dataclasses.replace(scored, scores=(np.asarray(scored.scores, np.float32) + rewards))
 
 
 def environment_metrics(samples: Sequence[Sample]) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Partial rollouts (``rollout.partial_tokens``): long generations spread over several steps.
 
-slime's ``--partial-rollout``, in the trainer's rollout stage (docs/training.md#partial-rollouts).
+slime's ``--partial-rollout``, in the trainer's rollout stage (``jaxrl.trainer.stages.rollout``;
+docs/training.md#partial-rollouts).
 A pool holds the prompt groups in flight. A step runs rounds with the engine's current weights:
 the pool is topped up with new prompts so that started plus finished (not yet trained) groups
 make ``partial_groups`` (>= ``prompts_per_step``: the over-sampling that lets a step end when
@@ -33,7 +34,8 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxrl.rollout.base import Sample
-from jaxrl.trainer.rollouts import RolloutBatch, _decode_groups, _encode_groups
+from jaxrl.trainer.stages.rollout.queue import RolloutBatch
+from jaxrl.trainer.stages.rollout.records import decode_groups, encode_groups
 
 # Seed draws per round: one for the new groups, one per distinct continuation budget (at most two:
 # partial_tokens, and what max_new_tokens leaves).
@@ -164,7 +166,7 @@ class PartialRolloutQueue:
         used = {g.origin[0] for gs in groups.values() for g in gs}
         return {"data": self.iterator.state(), "pending": [], "partial": {
             "draws": {str(d): self.draws[d] for d in sorted(used)},
-            **{name: [{"origin": list(g.origin), "samples": None if g.samples is None else _encode_groups([g.samples])}
+            **{name: [{"origin": list(g.origin), "samples": None if g.samples is None else encode_groups([g.samples])}
                       for g in gs] for name, gs in groups.items()}}}
 
     def restore(self, record: dict[str, Any]) -> None:
@@ -180,7 +182,7 @@ class PartialRolloutQueue:
             def group(saved):
                 draw, k = saved["origin"]
                 example = drawn[draw][k]
-                samples = None if saved["samples"] is None else _decode_groups(saved["samples"], [example])[0]
+                samples = None if saved["samples"] is None else decode_groups(saved["samples"], [example])[0]
                 return Group(example, (draw, k), samples)
 
             self.waiting, self.pool, self.finished = ([group(g) for g in partial[name]]

@@ -1,57 +1,74 @@
-"""The host-side stages of one RL step, each a function that returns its result and its own metrics.
+"""Stage 4, recompute: the learner's ``old_logp`` and the frozen reference's ``ref_logp`` of the batch.
 
-A stage's metrics carry its prefix and no other stage writes them: ``rollout/``, ``reward/``,
-``recompute/`` (and ``routing/`` for an MoE engine's routes), ``advantage/``, ``filter/``,
-``update/``, ``push/``, and with a critic (PPO with GAE) ``critic/`` for its scoring and its
-update (``jaxrl.trainer.critic``, whose GAE stage replaces :func:`advantages`). The
-engine-vs-learner divergences ``mismatch/*`` (and ``mismatch_bucket/*``) are measured once per
-step, before the update: by the recompute, or with ``objective.bypass`` (no recompute) on
-the update's first mini-batch.
+The learner scores the engine's tokens with the parameters that sampled them (the same version,
+or newer with ``rollout.max_staleness``): ``old_logp``, the ratio's denominator. With
+``objective.bypass`` (or ``update.recompute_old_logp: when_needed`` where it is redundant:
+:func:`objective_for_run`) the engine's own logprobs stand in and no forward runs here; the
+mismatch is then measured on the update's first mini-batch. The frozen reference scores the
+batch when the objective's KL (or ``update.reference_metrics``) needs it. With
+``update.routing_replay`` both forwards replay the engine's routes; without it the routes are
+only measured and then dropped from the batch. Every ``logging.dump_batch_every`` steps the batch
+is written in the alignment checker's format (``jaxrl align report`` reads it).
+
+Metrics: ``recompute/entropy``, ``mismatch/*`` (and ``mismatch_bucket/*``, ``mismatch_turn/*`` for
+conversations), ``routing/disagreement*`` for an MoE engine's routes; ``time/recompute`` is not
+logged when no forward runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl.losses import (ObjectiveConfig, batch_filter, kl_in_reward, mismatch_metrics,
-                          mismatch_metrics_by_rollout_prob, mismatch_metrics_by_turn)
-from jaxrl.losses.advantages import AdvantageConfig, sequence_advantages
+from jaxrl import distributed
+from jaxrl.losses import ObjectiveConfig, mismatch_metrics, mismatch_metrics_by_rollout_prob, mismatch_metrics_by_turn
 from jaxrl.models.scoring import LogprobScorer
-from jaxrl.rollout.base import LogprobKind, PushVerificationError
+from jaxrl.models.sharding import batch_devices
+from jaxrl.rollout.base import LogprobKind
 from jaxrl.trainer.batch import StepBatch
 from jaxrl.trainer.config import TrainConfig
+from jaxrl.trainer.stages.base import Stage, StepContext, StepRecord
 
 
-def rollout_metrics(samples: list) -> dict[str, float]:
-    lengths = np.asarray([len(s.output_ids) for s in samples])
-    return {"rollout/response_length_mean": float(lengths.mean()),
-            "rollout/response_length_max": float(lengths.max())}
+class RecomputeStage(Stage):
+    name = "recompute"
 
+    def __init__(self, context: StepContext):
+        self.context = context
+        config, learner = context.config, context.learner
+        u = config.update
+        sequences = config.rollout.prompts_per_step * config.rollout.group_size
+        rows = sequences // (u.mini_batches * u.micro_batches)
+        self.scorer = LogprobScorer(learner.train_step.graphdef, context.mesh, rows, u.logprob_chunk_size,
+                                    pack=u.pack, devices=batch_devices(context.mesh))
+        # Bypass without a KL reference runs no learner forward here, so there is nothing to time.
+        self.timed = not context.objective.bypass or learner.reference is not None
 
-def reward_metrics(scored, judge: dict[str, float] | None = None) -> dict[str, float]:
-    """The batch's reward statistics, with the router's ``judge/*`` metrics (``RewardRouter.take_metrics``)
-    as ``reward/judge/*``."""
-    metrics = {
-        "reward/mean": float(scored.scores.mean()),
-        "reward/std": float(scored.scores.std()),
-        "reward/accuracy": float((scored.scores >= 1.0).mean()),
-        "reward/unparsable_fraction": float(scored.unparsable.mean()),
-        "reward/raised": float(scored.raised.sum()),
-        "reward/timed_out": float(scored.timed_out.sum()),
-    }
-    tasks = np.asarray(scored.tasks)
-    for task in sorted(set(scored.tasks)):
-        values = scored.scores[tasks == task]
-        metrics[f"reward/{task}/mean"] = float(values.mean())
-        metrics[f"reward/{task}/std"] = float(values.std())
-        metrics[f"reward/{task}/share"] = float(len(values) / len(tasks))  # of the batch (data.mixture)
-    metrics.update({f"reward/{name}": value for name, value in (judge or {}).items()})
-    return metrics
+    def __call__(self, record: StepRecord, step: int) -> tuple[StepRecord, dict[str, float]]:
+        c, u = self.context, self.context.config.update
+        batch, metrics = recompute(record.batch, self.scorer, c.learner.state["params"], c.learner.reference,
+                                   bypass=c.objective.bypass, replay=u.routing_replay,
+                                   moe_layers=c.learner.moe_layers, share_prefix=u.share_prefix)
+        if not u.routing_replay:  # measured; the update routes by itself
+            batch = batch.replace(routed_experts=None)
+        self._dump(step, batch)
+        return record.replace(batch=batch), metrics
+
+    def _dump(self, step: int, batch: StepBatch) -> None:
+        """Every ``logging.dump_batch_every`` steps, the batch in the alignment checker's format;
+        learner logprobs are ``old_logp``."""
+        config = self.context.config
+        every = config.logging.dump_batch_every
+        if every and step % every == 0 and distributed.is_main_process():
+            path = os.path.join(config.output_dir, "batches", f"step-{step:06d}.npz")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            meta = {"step": step, "weight_version": self.context.engine.weight_version, "source": "jaxrl train"}
+            batch.token_aligned(meta).save(path)
 
 
 def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[ObjectiveConfig, str]:
@@ -152,73 +169,7 @@ def mismatch_names(metrics: dict) -> dict[str, float]:
     return {f"mismatch/{k.removeprefix('mismatch_')}": float(v) for k, v in metrics.items()}
 
 
-def push_gap(batch: StepBatch) -> tuple[float, int]:
-    """(max |old_logp - rollout_logp|, tokens) over every generated token, masked samples included:
-    the spot check of the previous weight push needs no reward."""
-    gap = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[np.asarray(batch.generated)]
-    return (float(gap.max()) if gap.size else float("nan")), int(gap.size)
-
-
-def check_push(version: str, largest: float, tokens: int, *, tolerance: float) -> None:
-    """Verifies a weight push: the engine's logprobs of the batch sampled with weights ``version``
-    agree with the learner's recompute: ``largest`` (max |dlogp| over ``tokens`` generated
-    tokens) within ``rollout.push_tolerance``. A check of zero tokens or a NaN fails: it
-    proves nothing. Raises PushVerificationError."""
-    if tokens == 0:
-        raise PushVerificationError(
-            f"the push check of weight version {version} compared zero generated tokens, so it proves nothing; "
-            f"the engine returned no tokens (or, with objective.bypass, the first mini-batch has none in the "
-            f"loss); set rollout.verify_push=false to run without the check")
-    if not largest <= tolerance:
-        raise PushVerificationError(
-            f"the engine sampled with weight version {version} but its logprobs differ from the learner's "
-            f"by up to {largest:.3g} nats > rollout.push_tolerance={tolerance}; the engine is not running "
-            f"the learner's weights (or raise push_tolerance for low-precision engines)")
-
-
-def advantages(batch: StepBatch, scores: np.ndarray, valid: np.ndarray, config: AdvantageConfig,
-               objective: ObjectiveConfig, group_size: int, greedy_scores: np.ndarray | None = None
-               ) -> tuple[StepBatch, dict[str, float]]:
-    """Per-token advantages (the sample's advantage on its masked tokens), after the KL penalty
-    enters the reward when ``objective.kl_in_reward_coef > 0``. ``greedy_scores`` (one per
-    prompt) is the baseline of "remax"; "opo" weighs its baseline by the generated lengths."""
-    rewards = scores
-    if objective.kl_in_reward_coef > 0:
-        rewards = np.asarray(_kl_in_reward(scores, batch.old_logp, batch.ref_logp, batch.mask,
-                                           coef=objective.kl_in_reward_coef))
-    lengths = np.asarray(batch.generated).sum(axis=1)
-    adv, metrics = sequence_advantages(config, rewards, valid, group_size, lengths=lengths, baselines=greedy_scores)
-    if greedy_scores is not None:
-        metrics["advantage/greedy_reward_mean"] = float(np.mean(greedy_scores))
-    return batch.replace(advantages=adv[:, None] * batch.mask), metrics
-
-
-def batch_filter_stage(batch: StepBatch, objective: ObjectiveConfig) -> tuple[bool, dict[str, float]]:
-    """Whether to skip the step's update because the engine and the learner disagree too much
-    on this batch (``objective.batch_filter_threshold``; never under bypass, which has no recompute)."""
-    if objective.batch_filter_threshold is None or objective.bypass:
-        return False, {}
-    skip, metrics = jax.device_get(_batch_filter(
-        batch.old_logp, batch.rollout_logp, batch.mask,
-        threshold=objective.batch_filter_threshold, metric=objective.batch_filter_metric))
-    return bool(skip), {f"filter/{k.removeprefix('batch_filter_')}": float(v) for k, v in metrics.items()}
-
-
-_kl_in_reward = jax.jit(kl_in_reward, static_argnames=("coef",))
 _mismatch_by_turn = jax.jit(mismatch_metrics_by_turn)
-_batch_filter = jax.jit(batch_filter, static_argnames=("threshold", "metric"))
-
-
-def update_names(metrics: dict[str, Any]) -> dict[str, float]:
-    """The train step's and the loss's metric names -> the logged ``update/<name>``; the loss's
-    mismatch measurement (under bypass) keeps its own ``mismatch/`` family."""
-    out = {}
-    for name, value in metrics.items():
-        if name.startswith("mismatch_"):
-            out[f"mismatch/{name.removeprefix('mismatch_')}"] = float(value)
-        else:
-            out[name if name.startswith("update/") else f"update/{name}"] = float(value)
-    return out
 
 
 def _bucketed(metrics: dict) -> dict[str, float]:

@@ -18,28 +18,12 @@ the batch's ``prompts_per_step`` are left out too (not counted as drops): DAPO's
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from jaxrl.reward.base import ScoredBatch
-
-
-@dataclasses.dataclass
-class Drawn:
-    """Prompt groups with their scores: ``examples`` [P], ``samples`` [P][G], the flat
-    ``scored`` [P * G] (prompt-major) and, for estimators with a greedy baseline, one greedy
-    score per prompt (else None)."""
-
-    examples: list
-    samples: list
-    scored: ScoredBatch
-    greedy_scores: np.ndarray | None = None
-
-    @property
-    def flat(self) -> list[tuple[Any, Any]]:
-        return [(e, s) for e, group in zip(self.examples, self.samples, strict=True) for s in group]
+from jaxrl.trainer.stages.base import StepRecord
 
 
 def groups_with_signal(scored: ScoredBatch, valid: np.ndarray, group_size: int) -> np.ndarray:
@@ -52,7 +36,7 @@ def groups_with_signal(scored: ScoredBatch, valid: np.ndarray, group_size: int) 
     return live.any(axis=1) & (top > bottom)
 
 
-def _take(drawn: Drawn, groups: list[int], group_size: int) -> Drawn:
+def _take(drawn: StepRecord, groups: list[int], group_size: int) -> StepRecord:
     rows = np.asarray([g * group_size + j for g in groups for j in range(group_size)], int)
     s = drawn.scored
     scored = ScoredBatch(
@@ -60,33 +44,34 @@ def _take(drawn: Drawn, groups: list[int], group_size: int) -> Drawn:
         tasks=tuple(s.tasks[r] for r in rows), timed_out=s.timed_out[rows],
         token_rewards=tuple(s.token_rewards[r] for r in rows))
     greedy = None if drawn.greedy_scores is None else np.asarray(drawn.greedy_scores)[groups]
-    return Drawn([drawn.examples[g] for g in groups], [drawn.samples[g] for g in groups], scored, greedy)
+    return StepRecord(examples=[drawn.examples[g] for g in groups], samples=[drawn.samples[g] for g in groups],
+                      scored=scored, greedy_scores=greedy, valid=np.asarray(drawn.valid)[rows])
 
 
-def _concat(parts: list[Drawn]) -> Drawn:
+def _concat(parts: list[StepRecord]) -> StepRecord:
     scored = [p.scored for p in parts]
     greedy = None if parts[0].greedy_scores is None else np.concatenate([p.greedy_scores for p in parts])
-    return Drawn(
-        [e for p in parts for e in p.examples], [g for p in parts for g in p.samples],
-        ScoredBatch(scores=np.concatenate([s.scores for s in scored]),
-                    unparsable=np.concatenate([s.unparsable for s in scored]),
-                    raised=np.concatenate([s.raised for s in scored]),
-                    tasks=tuple(t for s in scored for t in s.tasks),
-                    timed_out=np.concatenate([s.timed_out for s in scored]),
-                    token_rewards=tuple(t for s in scored for t in s.token_rewards)),
-        greedy)
+    return StepRecord(
+        examples=[e for p in parts for e in p.examples], samples=[g for p in parts for g in p.samples],
+        scored=ScoredBatch(scores=np.concatenate([s.scores for s in scored]),
+                           unparsable=np.concatenate([s.unparsable for s in scored]),
+                           raised=np.concatenate([s.raised for s in scored]),
+                           tasks=tuple(t for s in scored for t in s.tasks),
+                           timed_out=np.concatenate([s.timed_out for s in scored]),
+                           token_rewards=tuple(t for s in scored for t in s.token_rewards)),
+        greedy_scores=greedy, valid=np.concatenate([p.valid for p in parts]))
 
 
-def fill_with_signal(first: Drawn, draw: Callable[[int], Drawn], *, prompts: int, group_size: int,
-                     max_extra_draws: int, valid: Callable[[ScoredBatch], np.ndarray]
-                     ) -> tuple[Drawn, dict[str, float]]:
-    """The step's ``prompts`` groups with reward variance, from ``first`` and up to
-    ``max_extra_draws`` calls ``draw(j)`` (j = 1, 2, ...: the j-th extra draw); ``valid`` gives
-    the samples that count (as in the loss). Returns the batch and its ``rollout/`` metrics."""
+def fill_with_signal(first: StepRecord, draw: Callable[[int], StepRecord], *, prompts: int, group_size: int,
+                     max_extra_draws: int) -> tuple[StepRecord, dict[str, float]]:
+    """The step's ``prompts`` groups with reward variance, from the scored record ``first`` and up
+    to ``max_extra_draws`` calls ``draw(j)`` (j = 1, 2, ...: the j-th extra draw, scored); a
+    record's ``valid`` gives the samples that count (as in the loss). Returns the batch's record
+    (examples, samples, scores, greedy scores and validity) and its ``rollout/`` metrics."""
     kept, zero_variance = [], []
     draws, drawn = 0, first
     while True:
-        signal = groups_with_signal(drawn.scored, valid(drawn.scored), group_size)
+        signal = groups_with_signal(drawn.scored, drawn.valid, group_size)
         for g, has_signal in enumerate(signal):
             (kept if has_signal else zero_variance).append(_take(drawn, [g], group_size))
         if len(kept) >= prompts or draws >= max_extra_draws:

@@ -1,0 +1,124 @@
+"""Stage 8, push: the updated weights go to the rollout engine, and the previous push is verified.
+
+In order, after the update of step k:
+
+1. **verify** the push of version k - 1 on this step's batch, when the engine sampled it with
+   those weights and returns raw logprobs (``rollout.verify_push``): the engine's logprobs of
+   every generated token against the learner's recompute of them (under bypass, the update's
+   first mini-batch measured the gap, ``StepRecord.engine_gap``), within
+   ``rollout.push_tolerance``; a gap above it, or a check of zero tokens, raises
+   PushVerificationError. Batches of older weights (``rollout.max_staleness``) are not
+   comparable, and a step in which no policy loss ran (a critic's warm-up, under bypass) has
+   nothing measured;
+2. **drain**: wait for the batches still being generated with the weights about to be replaced
+   (the rollout stage's ``drain``);
+3. **push** version k (``engine.update_weights``; the engine must then report it);
+4. **refill**: start the batches that use the new weights (the rollout stage's ``refill``).
+
+An engine that holds the learner's arrays by reference (the embedded sampler) generating in the
+background beside the update gets a copy: the train step donates the arrays it updates.
+
+Metrics: the engine's ``push/*``, ``time/rollout_drain`` and ``time/weight_push``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import numpy as np
+
+from jaxrl.rollout.base import LogprobKind, PushVerificationError
+from jaxrl.trainer.batch import StepBatch
+from jaxrl.trainer.stages.base import Stage, StepContext, StepRecord
+
+
+class Rollouts(Protocol):
+    """What the push needs of the rollout stage."""
+
+    background: bool
+
+    def drain(self) -> float: ...
+
+    def refill(self, weights: int, final: bool = False) -> None: ...
+
+
+class PushStage(Stage):
+    name = "push"
+
+    def __init__(self, context: StepContext, rollouts: Rollouts):
+        self.context = context
+        self.rollouts = rollouts
+
+    def start(self, step: int) -> None:
+        """Pushes the learner's weights when the engine does not hold them yet (a resumed run, a
+        server with other weights, or a background engine that needs its own copy), then starts
+        the first batches."""
+        engine = self.context.engine
+        if step > 0 or engine.weight_version != "0" or self.copies_weights():
+            engine.update_weights(self.engine_weights(), version=str(step))
+        self.rollouts.refill(step)
+
+    def __call__(self, record: StepRecord, step: int) -> tuple[StepRecord, dict[str, float]]:
+        self.verify_previous_push(record, step - 1)
+        start = time.perf_counter()
+        self.rollouts.drain()
+        drained = time.perf_counter()
+        metrics = self.push(step)
+        pushed = time.perf_counter()
+        self.rollouts.refill(step, final=step == self.context.config.steps)
+        return record, {**metrics, "time/rollout_drain": drained - start, "time/weight_push": pushed - drained}
+
+    def copies_weights(self) -> bool:
+        return self.rollouts.background and self.context.engine.holds_references
+
+    def engine_weights(self):
+        return self.context.learner.weights(copy=self.copies_weights())
+
+    def push(self, step: int) -> dict[str, float]:
+        engine = self.context.engine
+        metrics = engine.update_weights(self.engine_weights(), version=str(step)) or {}
+        if self.context.config.rollout.verify_push and engine.weight_version != str(step):
+            raise PushVerificationError(
+                f"pushed weight version {step} but the engine reports {engine.weight_version!r}")
+        return metrics
+
+    def verify_previous_push(self, record: StepRecord, learner_version: int) -> None:
+        """Step 1 of the module docstring, for the push of ``learner_version``."""
+        r = self.context.config.rollout
+        if not (r.verify_push and r.logprob_kind == LogprobKind.RAW):
+            return
+        version = record.oldest_weights
+        if version != str(learner_version):  # sampled with older weights (rollout.max_staleness): not comparable
+            return
+        if self.context.objective.bypass:
+            if record.engine_gap is None:  # no policy loss ran, so nothing was measured
+                return
+            gap = record.engine_gap
+        else:
+            gap = push_gap(record.batch)
+        check_push(version, *gap, tolerance=r.push_tolerance)
+
+
+def push_gap(batch: StepBatch) -> tuple[float, int]:
+    """(max |old_logp - rollout_logp|, tokens) over every generated token, masked samples included:
+    the spot check of the previous weight push needs no reward."""
+    gap = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[np.asarray(batch.generated)]
+    return (float(gap.max()) if gap.size else float("nan")), int(gap.size)
+
+
+def check_push(version: str, largest: float, tokens: int, *, tolerance: float) -> None:
+    """Verifies a weight push: the engine's logprobs of the batch sampled with weights ``version``
+    agree with the learner's recompute: ``largest`` (max |dlogp| over ``tokens`` generated
+    tokens) within ``rollout.push_tolerance``. A check of zero tokens or a NaN fails: it
+    proves nothing. Raises PushVerificationError."""
+    if tokens == 0:
+        raise PushVerificationError(
+            f"the push check of weight version {version} compared zero generated tokens, so it proves nothing; "
+            f"the engine returned no tokens (or, with objective.bypass, the first mini-batch has none in the "
+            f"loss); set rollout.verify_push=false to run without the check")
+    if not largest <= tolerance:
+        raise PushVerificationError(
+            f"the engine sampled with weight version {version} but its logprobs differ from the learner's "
+            f"by up to {largest:.3g} nats > rollout.push_tolerance={tolerance}; the engine is not running "
+            f"the learner's weights (or raise push_tolerance for low-precision engines)")
