@@ -304,25 +304,32 @@ def end_step(stop: StopSignals, checkpointer: Checkpointer | None, step: int, sa
     raise TrainingInterrupted(signum, step, checkpointer.directory)
 
 
-def run_rl(trainer) -> dict[str, Any]:
-    """An RL trainer's run to ``config.steps``: held-out evaluation at the start, every
-    ``eval.every`` steps and at the end, metrics and TensorBoard, checkpoints, a stop on a
-    signal after the current step, the HF export and the plots; returns the summary."""
+def run_loop(trainer, total_steps: int, evaluate: Callable[[], dict] | None = None) -> dict[str, Any]:
+    """A trainer's run to ``total_steps``, RL and SFT alike; returns the summary.
+
+    ``trainer`` has ``config``, ``step``, ``train_step_once()`` (the metrics of one step),
+    ``errors`` (lines for the log, emptied after each step), ``checkpointer``, ``save()`` and
+    ``model()``. Per step: the metrics to JSONL, TensorBoard and the progress bar, the step's
+    messages, a checkpoint on schedule, a stop on a signal after the current step. With
+    ``evaluate`` (held-out metrics), an evaluation before the first step of a fresh run, every
+    ``eval.every`` steps and after the last. At the end: the checkpoint written, the HF export
+    (``checkpoint.export_hf``), the plots and, when the run logged entropy and reward, the
+    entropy-performance law fitted to them."""
     config = trainer.config
-    logger = MetricsLogger(config.output_dir, config.steps, start_step=trainer.step,
+    logger = MetricsLogger(config.output_dir, total_steps, start_step=trainer.step,
                            progress=config.logging.progress, tensorboard=config.logging.tensorboard)
     summary: dict[str, Any] = {}
     try:
         with StopSignals(config.checkpoint.stop_timeout_s) as stop:
-            if trainer.step == 0 and trainer.eval_examples:
-                start = trainer.evaluate()
+            if trainer.step == 0 and evaluate is not None:
+                start = evaluate()
                 summary["heldout_start"] = start.get("heldout/reward")
                 logger.log(0, start)
-            while trainer.step < config.steps:
+            while trainer.step < total_steps:
                 metrics = trainer.train_step_once()
-                final = trainer.step == config.steps
-                if trainer.eval_examples and (final or (config.eval.every and trainer.step % config.eval.every == 0)):
-                    metrics.update(trainer.evaluate())
+                final = trainer.step == total_steps
+                if evaluate is not None and (final or (config.eval.every and trainer.step % config.eval.every == 0)):
+                    metrics.update(evaluate())
                 logger.log(trainer.step, metrics)
                 for message in trainer.errors:
                     logger.write(message if message.startswith("step ") else f"step {trainer.step}: {message}")

@@ -25,7 +25,7 @@ from jaxrl.trainer.checkpoint import CheckpointMismatchError
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.judges import build_reward_router, judge_cache_path
 from jaxrl.trainer.learner import Learner
-from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_rl
+from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_loop
 from jaxrl.trainer.metrics import StageClock
 from jaxrl.trainer.rejection_watch import RejectionWatch
 from jaxrl.trainer.stages import (Stage, StepContext, StepRecord, build_stages, frozen_policy_steps,
@@ -170,8 +170,10 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
-        """Trains to ``config.steps`` (``lifecycle.run_rl``); returns the summary, ``rejection_watch``'s lines added."""
-        return self.rejections.add_to(run_rl(self))
+        """Trains to ``config.steps`` (``lifecycle.run_loop``); returns the summary with
+        ``rejection_watch``'s lines."""
+        evaluate = self.evaluate if self.eval_examples else None
+        return self.rejections.add_to(run_loop(self, self.config.steps, evaluate))
 
     def close(self) -> None:
         if self.checkpointer is not None:

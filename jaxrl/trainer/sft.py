@@ -11,7 +11,6 @@ response fit in its ``max_length``; pairs too long for every stage are skipped a
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -23,15 +22,13 @@ from flax import nnx
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.distributed import host_memory
 from jaxrl.losses.aggregation import aggregate_loss
-from jaxrl.models import make_mesh, save_hf_checkpoint
+from jaxrl.models import make_mesh
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
 from jaxrl.trainer.model import build_model
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.guard import UpdateGuard
-from jaxrl.trainer.lifecycle import StopSignals, check_fresh_start, end_step, open_run
-from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
-from jaxrl.trainer.plots import plot_run
+from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_loop
 from jaxrl.trainer.update import update_names
 from jaxrl.trainer.update import accumulate, build_optimizer, make_train_step
 
@@ -55,7 +52,7 @@ class SFTTrainer:
             raise ValueError("sft.stages is empty; give at least one stage, e.g. [{steps: 100, max_length: 512}]")
         self.config = config
         check_fresh_start(config.output_dir, config.checkpoint.directory, resume=resume, overwrite=overwrite)
-        self.warnings: list[str] = []
+        self.errors: list[str] = []
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.examples, self.data_report = load_examples(
             config.data.train_files, config.data, self.tokenizer, with_response=True)
@@ -84,7 +81,7 @@ class SFTTrainer:
 
     def _warn(self, message: str) -> None:
         log.warning(message)
-        self.warnings.append(message)
+        self.errors.append(message)
 
     def _stage_of(self, step: int) -> int:
         """The stage that trains global step ``step`` (1-based)."""
@@ -150,31 +147,8 @@ class SFTTrainer:
             "guard": self.guard.state()})
 
     def run(self) -> dict[str, Any]:
-        config = self.config
-        logger = MetricsLogger(config.output_dir, self.total_steps, start_step=self.step,
-                               progress=config.logging.progress, tensorboard=config.logging.tensorboard)
-        try:
-            with StopSignals(self.config.checkpoint.stop_timeout_s) as stop:
-                while self.step < self.total_steps:
-                    metrics = self.train_step_once()
-                    logger.log(self.step, metrics)
-                    for message in self.warnings:
-                        logger.write(message)
-                    self.warnings.clear()
-                    final = self.step == self.total_steps
-                    end_step(stop, self.checkpointer, self.step, self.save, final)
-            if self.checkpointer is not None:
-                self.checkpointer.wait()
-        finally:
-            logger.close()
-        summary: dict[str, Any] = {"metrics": logger.jsonl_path}
-        if config.checkpoint.export_hf:
-            save_hf_checkpoint(self.model(), config.checkpoint.export_hf)
-            summary["hf_export"] = config.checkpoint.export_hf
-        if config.logging.plots:
-            rows = read_jsonl(logger.jsonl_path)
-            summary["plots"] = plot_run(rows, os.path.join(config.output_dir, "plots"))
-        return summary
+        """Trains through every stage (``lifecycle.run_loop``); returns the summary."""
+        return run_loop(self, self.total_steps)
 
     def close(self) -> None:
         if self.checkpointer is not None:
