@@ -1,34 +1,26 @@
 """Advantage estimators (docs/losses.md#advantage-estimators).
 
-Group estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, OPO, GRPO pass@k,
-Pass@k Training) accept the groups in one of three layouts, and return
-advantages in the layout they were given:
+Group estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, OPO, GRPO pass@k, Pass@k Training) accept the
+groups in one of three layouts, and return advantages in the layout they were given:
 
 * ``rewards`` of shape ``[num_groups, G]``: one row per prompt;
-* ``rewards`` of shape ``[B]`` with ``group_size=G``: contiguous groups
-  (``B`` must be a multiple of ``G``);
-* ``rewards`` of shape ``[B]`` with integer ``group_ids`` of shape ``[B]`` in
-  ``[0, num_groups)`` and a static ``num_groups``: arbitrary order and group
-  sizes (computed with segment sums, so it works under ``jit``).
+* ``rewards`` of shape ``[B]`` with ``group_size=G``: contiguous groups (``B`` must be a multiple of ``G``);
+* ``rewards`` of shape ``[B]`` with integer ``group_ids`` of shape ``[B]`` in ``[0, num_groups)`` and a static
+  ``num_groups``: arbitrary order and group sizes (computed with segment sums, so it works under ``jit``).
 
-The sequence-level estimators take an optional ``mask`` of the shape of
-``rewards``: samples with mask 0 (e.g. unparsable responses) enter no
-statistic, neither their group's baseline nor a batch mean or std, and get
+The sequence-level estimators take an optional ``mask`` of the shape of ``rewards``: samples with mask 0 (e.g.
+unparsable responses) enter no statistic, neither their group's baseline nor a batch mean or std, and get
 advantage 0; every statistic below runs over the samples with mask 1.
 
-Each returns ``(advantages, metrics)``; ``metrics["zero_variance_groups"]``
-counts groups with at least one (unmasked) sample whose rewards are all equal
-(they get zero advantage and waste rollout compute: Motif "difficulty
-alignment").
-Everything is computed in float32.
+Each returns ``(advantages, metrics)``; ``metrics["zero_variance_groups"]`` counts groups with at least one
+(unmasked) sample whose rewards are all equal (they get zero advantage and waste rollout compute: Motif
+"difficulty alignment"). Everything is computed in float32.
 
-Two estimators need a second per-sample input of the shape of ``rewards``:
-OPO the response ``lengths``, ReMax the ``baseline_rewards`` (the reward of a
-greedy response to each sample's prompt).
+Two estimators need a second per-sample input of the shape of ``rewards``: OPO the response ``lengths``, ReMax
+the ``baseline_rewards`` (the reward of a greedy response to each sample's prompt).
 
-:data:`ADVANTAGE_ESTIMATORS` names the sequence-level estimators;
-:class:`AdvantageConfig` picks one and :func:`sequence_advantages` applies it to
-a rollout batch of prompt groups.
+:data:`ADVANTAGE_ESTIMATORS` names the sequence-level estimators; :class:`AdvantageConfig` picks one and
+:func:`sequence_advantages` applies it to a rollout batch of prompt groups.
 """
 
 from __future__ import annotations
@@ -65,17 +57,17 @@ def grpo_advantages(
     (docs/losses.md#grpo-and-the-std-clip, Rethinking-KL appendix J).
 
     Args:
-      rewards: float ``[num_groups, G]``, or ``[B]`` with ``group_size`` or
-        ``group_ids``/``num_groups`` (see module docstring).
-      mask: optional bool/0-1 of the shape of ``rewards``; the group statistics
-        run over the samples with mask 1, the others get 0.
-      std_min, std_max: the std clip; ``std_min > 0`` is required (appendix J:
-        with r = [0.99999, 1.00001, 0.99999, 1.00001] plain normalisation gives
-        +-0.866, std_min = 0.1 keeps the advantages ~+-1e-4).
+      rewards: float ``[num_groups, G]``, or ``[B]`` with ``group_size`` or ``group_ids``/``num_groups``
+        (see module docstring).
+      mask: optional bool/0-1 of the shape of ``rewards``; the group statistics run over the samples with
+        mask 1, the others get 0.
+      std_min, std_max: the std clip; ``std_min > 0`` is required (appendix J: with r = [0.99999, 1.00001,
+        0.99999, 1.00001] plain normalisation gives +-0.866, std_min = 0.1 keeps the advantages ~+-1e-4).
       ddof: 1 for the sample std (the appendix's figure), 0 for population std.
-    Returns:
-      advantages (float32, same shape as ``rewards``), metrics
-      ``{"zero_variance_groups": int32 scalar}``.
+    Returns: advantages (float32, same shape as ``rewards``), metrics ``{"zero_variance_groups": int32 scalar}``.
+
+    >>> [round(float(a), 4) for a in grpo_advantages(jnp.array([[1.0, 0.0], [1.0, 1.0]]))[0].ravel()]  # std sqrt(.5)
+    [0.7071, -0.7071, 0.0, 0.0]
     """
     check_std_args(std_min, std_max, ddof)
     groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
@@ -94,6 +86,9 @@ def dr_grpo_advantages(
     """Dr.GRPO: ``A = r - mean_g r`` (docs/losses.md#dr-grpo), no std division.
 
     Shapes and ``mask`` as :func:`grpo_advantages`.
+
+    >>> [round(float(a), 4) for a in dr_grpo_advantages(jnp.array([1.0, 0.0, 0.0, 0.0]), group_size=4)[0]]  # r - 1/4
+    [0.75, -0.25, -0.25, -0.25]
     """
     groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
     _, mean, _, zero_variance = group_stats(groups, ddof=0)
@@ -110,9 +105,11 @@ def rloo_advantages(
 ) -> tuple[Array, dict[str, Array]]:
     """RLOO: ``A_i = r_i - mean_{j != i} r_j`` (docs/losses.md#rloo).
 
-    Shapes and ``mask`` as :func:`grpo_advantages` (``j`` runs over the group's
-    samples with mask 1). A group of one response has no leave-one-out
-    baseline and gets advantage 0.
+    Shapes and ``mask`` as :func:`grpo_advantages` (``j`` runs over the group's samples with mask 1). A group
+    of one response has no leave-one-out baseline and gets advantage 0.
+
+    >>> [round(float(a), 4) for a in rloo_advantages(jnp.array([1.0, 0.0, 0.0, 0.0]), group_size=4)[0]]  # 1-0, 0-1/3
+    [1.0, -0.3333, -0.3333, -0.3333]
     """
     groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
     count, mean, _, zero_variance = group_stats(groups, ddof=0)
@@ -133,15 +130,17 @@ def reinforce_advantages(
     (docs/losses.md#batch-normalised-estimators).
 
     Args:
-      rewards: float, any shape (every element is one sample of the batch);
-        normalise over the full batch, not a micro-batch.
-      mask: optional bool/0-1 of the shape of ``rewards``; ``mean_B`` and
-        ``std_B`` run over the samples with mask 1, the others get 0.
-      std_min, std_max, ddof: std clip and estimator, as in GRPO (the default
-        floor is tiny: a batch std rarely collapses).
-    Returns:
-      advantages (float32, shape of ``rewards``), metrics
+      rewards: float, any shape (every element is one sample of the batch); normalise over the full batch,
+        not a micro-batch.
+      mask: optional bool/0-1 of the shape of ``rewards``; ``mean_B`` and ``std_B`` run over the samples
+        with mask 1, the others get 0.
+      std_min, std_max, ddof: std clip and estimator, as in GRPO (the default floor is tiny: a batch std
+        rarely collapses).
+    Returns: advantages (float32, shape of ``rewards``), metrics
       ``{"zero_variance_groups": 1 if the whole batch is constant else 0}``.
+
+    >>> [round(float(a), 4) for a in reinforce_advantages(jnp.array([3.0, 1.0, 100.0]), mask=jnp.array([1, 1, 0]))[0]]
+    [1.0, -1.0, 0.0]
     """
     check_std_args(std_min, std_max, ddof)
     _validate.check_floating("rewards", rewards)
@@ -165,10 +164,12 @@ def reinforce_pp_baseline_advantages(
     """REINFORCE++-baseline: ``A = batchnorm(r - mean_g r)`` (docs/losses.md#batch-normalised-estimators): group
     baseline, then batch normalisation.
 
-    Shapes and ``mask`` as :func:`grpo_advantages`; the group means and the
-    batch statistics run over every element given with mask 1, so pass the
-    full batch. ``zero_variance_groups`` counts the groups, whose centred
-    rewards are then all zero.
+    Shapes and ``mask`` as :func:`grpo_advantages`; the group means and the batch statistics run over every
+    element given with mask 1, so pass the full batch. ``zero_variance_groups`` counts the groups, whose
+    centred rewards are then all zero.
+
+    >>> [round(float(a), 4) for a in reinforce_pp_baseline_advantages(jnp.array([1.0, 0.0, 1.0, 1.0]), group_size=2)[0]]
+    [1.4142, -1.4142, 0.0, 0.0]
     """
     check_std_args(std_min, std_max, ddof)
     groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
@@ -198,26 +199,25 @@ def opo_advantages(
 ) -> tuple[Array, dict[str, Array]]:
     """OPO: ``A_i = r_i - b_g``, ``b_g = sum_j L_j r_j / sum_j L_j`` (docs/losses.md#opo).
 
-    On-Policy RL with Optimal reward baseline (arXiv 2505.23585): the
-    variance-minimising baseline ``E[|grad log pi|^2 r] / E[|grad log pi|^2]``
-    with the squared gradient norm taken proportional to the response length,
-    i.e. the length-weighted mean reward of the prompt's group (verl
+    On-Policy RL with Optimal reward baseline (arXiv 2505.23585): the variance-minimising baseline
+    ``E[|grad log pi|^2 r] / E[|grad log pi|^2]`` with the squared gradient norm taken proportional to the
+    response length, i.e. the length-weighted mean reward of the prompt's group (verl
     ``compute_opo_outcome_advantage``). No std division.
 
     Args:
-      rewards: float ``[num_groups, G]``, or ``[B]`` with ``group_size`` or
-        ``group_ids``/``num_groups`` (see module docstring).
-      lengths: ``L_i`` >= 0, the number of generated tokens of each response,
-        integer or float of the shape of ``rewards``.
-      mask: optional bool/0-1 of the shape of ``rewards``; ``j`` runs over the
-        group's samples with mask 1, the others get 0.
-    Returns:
-      advantages (float32, shape of ``rewards``), metrics
-      ``{"zero_variance_groups": int32 scalar}``.
+      rewards: float ``[num_groups, G]``, or ``[B]`` with ``group_size`` or ``group_ids``/``num_groups``
+        (see module docstring).
+      lengths: ``L_i`` >= 0, the number of generated tokens of each response, integer or float of the shape
+        of ``rewards``.
+      mask: optional bool/0-1 of the shape of ``rewards``; ``j`` runs over the group's samples with mask 1,
+        the others get 0.
+    Returns: advantages (float32, shape of ``rewards``), metrics ``{"zero_variance_groups": int32 scalar}``.
 
-    A group whose valid lengths sum to 0 falls back to the plain mean. A group
-    of one valid response gets advantage 0 (``b = r``); verl instead gives it
-    the baseline 0, i.e. ``A = r``.
+    A group whose valid lengths sum to 0 falls back to the plain mean. A group of one valid response gets
+    advantage 0 (``b = r``); verl instead gives it the baseline 0, i.e. ``A = r``.
+
+    >>> [round(float(a), 4) for a in opo_advantages(jnp.array([1.0, 0.0]), jnp.array([3, 1]), group_size=2)[0]]  # b=3/4
+    [0.25, -0.75]
     """
     _check_lengths_or_baselines("lengths", lengths, rewards)
     groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
@@ -238,22 +238,21 @@ def remax_advantages(
 ) -> tuple[Array, dict[str, Array]]:
     """ReMax: ``A_i = r_i - r(x_i, y_greedy)`` (docs/losses.md#remax).
 
-    ReMax (arXiv 2310.10505): REINFORCE whose baseline is the reward of the
-    greedy (argmax-decoded) response to the same prompt; verl
-    ``compute_remax_outcome_advantage`` (outcome reward: every token's return
-    is ``r_i``). No group statistic, so it works with one sample per prompt.
+    ReMax (arXiv 2310.10505): REINFORCE whose baseline is the reward of the greedy (argmax-decoded) response
+    to the same prompt; verl ``compute_remax_outcome_advantage`` (outcome reward: every token's return is
+    ``r_i``). No group statistic, so it works with one sample per prompt.
 
     Args:
       rewards: float, any shape, one reward per sample.
-      baseline_rewards: ``[...]`` of the shape of ``rewards``: for each sample,
-        the reward of the greedy response to its prompt (repeat it over the
-        prompt's samples).
-      mask: optional bool/0-1 of the shape of ``rewards``; samples with mask 0
-        get 0.
-    Returns:
-      advantages (float32, shape of ``rewards``), metrics
+      baseline_rewards: ``[...]`` of the shape of ``rewards``: for each sample, the reward of the greedy
+        response to its prompt (repeat it over the prompt's samples).
+      mask: optional bool/0-1 of the shape of ``rewards``; samples with mask 0 get 0.
+    Returns: advantages (float32, shape of ``rewards``), metrics
       ``{"zero_variance_groups": 1 if the valid rewards of the whole batch are all equal else 0}``
       (as :func:`reinforce_advantages`: there are no groups here).
+
+    >>> [round(float(a), 4) for a in remax_advantages(jnp.array([1.0, 0.0, 1.0]), jnp.array([1.0, 1.0, 0.0]))[0]]
+    [0.0, -1.0, 1.0]
     """
     _validate.check_floating("rewards", rewards)
     _check_lengths_or_baselines("baseline_rewards", baseline_rewards, rewards)
@@ -269,8 +268,10 @@ def broadcast_to_tokens(sequence_values: Array, mask: Array) -> Array:
     Args:
       sequence_values: float ``[B]``.
       mask: bool/0-1 ``[B, T]``.
-    Returns:
-      float32 ``[B, T]``, zero at masked positions.
+    Returns: float32 ``[B, T]``, zero at masked positions.
+
+    >>> broadcast_to_tokens(jnp.array([2.0, 0.5]), jnp.array([[1, 1, 0], [1, 0, 0]])).tolist()
+    [[2.0, 2.0, 0.0], [0.5, 0.0, 0.0]]
     """
     _validate.check_floating("sequence_values", sequence_values)
     _validate.check_rank("sequence_values", sequence_values, 1)
@@ -318,7 +319,11 @@ class AdvantageConfig:
     """estimator: one of the loss library's advantage estimators (docs/losses.md#advantage-estimators):
     a sequence-level one (``ADVANTAGE_ESTIMATORS``) or "gae" (``TOKEN_ADVANTAGE_ESTIMATORS``: PPO with
     a critic, docs/losses.md#gae-with-a-critic); std clip for GRPO and GRPO pass@k; passk_k: the k of
-    "passk" (Pass@k Training); gamma, lam: GAE's discount and lambda, in [0, 1]."""
+    "passk" (Pass@k Training); gamma, lam: GAE's discount and lambda, in [0, 1].
+
+    >>> AdvantageConfig(estimator="remax").needs_greedy_baseline, AdvantageConfig(estimator="gae").needs_critic
+    (True, True)
+    """
 
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline", "opo", "remax",
                        "grpo_passk", "passk", "gae"] = "grpo"
@@ -382,16 +387,19 @@ def sequence_advantages(config: AdvantageConfig, scores: np.ndarray, valid: np.n
                         baselines: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
     """[N] float32 advantages for N = prompts * G samples in prompt-major order (docs/losses.md#advantage-estimators).
 
-    Samples with ``valid == False`` (unparsable, masked) enter no statistic (their
-    group's baseline, the batch mean and std of "reinforce" and
-    "reinforce_pp_baseline") and get advantage 0. The metric
-    ``advantage/zero_variance_group_fraction`` is the fraction of prompt groups whose
-    valid samples all have the same score (for every estimator).
+    Samples with ``valid == False`` (unparsable, masked) enter no statistic (their group's baseline, the batch
+    mean and std of "reinforce" and "reinforce_pp_baseline") and get advantage 0. The metric
+    ``advantage/zero_variance_group_fraction`` is the fraction of prompt groups whose valid samples all have
+    the same score (for every estimator).
 
     Estimator inputs beyond the scores (ignored by the other estimators):
       lengths: ``[N]``, the number of generated tokens of each response; required by "opo".
-      baselines: the reward of the greedy response to each prompt, ``[N]`` (one per
-        sample) or ``[N // G]`` (one per prompt, repeated over its group); required by "remax".
+      baselines: the reward of the greedy response to each prompt, ``[N]`` (one per sample) or ``[N // G]``
+        (one per prompt, repeated over its group); required by "remax".
+
+    >>> adv, m = sequence_advantages(AdvantageConfig(estimator="dr_grpo"), np.array([1.0, 0, 1, 1]), [True] * 4, 2)
+    >>> adv.tolist(), m["advantage/zero_variance_group_fraction"]  # Dr.GRPO; the second group is constant
+    ([0.5, -0.5, 0.0, 0.0], 0.5)
     """
     if config.needs_critic:
         raise ValueError(

@@ -25,6 +25,13 @@ def loss_normalizer(mode: str, mask: Array, *, max_length: int | None = None) ->
 
     Args: mask ``[B, T]`` of the whole batch (all micro-batches together).
     Returns: float32 scalar, at least 1.
+
+    Example (3 masked tokens in 2 sequences, ``T = 2``):
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import loss_normalizer
+      >>> mask = jnp.array([[1, 1], [1, 0]])
+      >>> [float(loss_normalizer(m, mask)) for m in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")]
+      [3.0, 2.0, 4.0]
     """
     _validate.check_choice("mode", mode, AGGREGATION_MODES)
     _validate.check_mask("mask", mask)
@@ -52,6 +59,15 @@ def aggregate_loss(token_loss: Array, mask: Array, mode: str, normalizer: Array 
     Args: token_loss float ``[B, T]``; mask ``[B, T]``; mode in
       ``AGGREGATION_MODES``; normalizer a positive scalar.
     Returns: float32 scalar.
+
+    Example: token-mean ``(1 + 3 + 4) / 3``; seq-mean-token-mean ``((1 + 3) / 2 + 4 / 1) / 2``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import aggregate_loss
+      >>> loss, mask = jnp.array([[1.0, 3.0], [4.0, 9.0]]), jnp.array([[1, 1], [1, 0]])
+      >>> round(float(aggregate_loss(loss, mask, "token-mean", 3.0)), 4)
+      2.6667
+      >>> round(float(aggregate_loss(loss, mask, "seq-mean-token-mean", 2.0)), 4)
+      3.0
     """
     _validate.check_choice("mode", mode, AGGREGATION_MODES)
     _validate.check_floating("token_loss", token_loss)

@@ -77,6 +77,14 @@ def token_tis(
       metrics)``; metrics: ``token_tis_clipped_token_frac``,
       ``token_tis_clipped_seq_frac`` (tokens with ``exp(log_r_t) > cap``),
       ``token_tis_weight_mean``.
+
+    Example: ``log_r = [0.5, 1.0]``: ``exp(0.5)`` and ``exp(1) = 2.718`` capped at 2:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import token_tis
+      >>> old_logp, rollout_logp = jnp.array([[-0.5, -1.0]]), jnp.array([[-1.0, -2.0]])
+      >>> weight, _, metrics = token_tis(old_logp, rollout_logp, jnp.ones((1, 2)), cap=2.0)
+      >>> [round(float(w), 4) for w in weight[0]], float(metrics["token_tis_clipped_token_frac"])
+      ([1.6487, 2.0], 0.5)
     """
     check_positive("cap", cap)
     log_r = token_log_ratio(old_logp, rollout_logp, mask)
@@ -100,6 +108,14 @@ def sequence_tis(
       ``(weight [B, T] float32 detached, keep [B, T] bool (= mask), metrics)``;
       metrics: ``seq_tis_clipped_token_frac``, ``seq_tis_clipped_seq_frac``,
       ``seq_tis_weight_mean``.
+
+    Example: sequence ``log_r`` 0.5 (``exp(0.5)``) and 1.0 (``exp(1)`` capped at 2):
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import sequence_tis
+      >>> old_logp, rollout_logp = jnp.array([[-0.75, -0.75], [-0.5, -0.5]]), jnp.full((2, 2), -1.0)
+      >>> weight, _, _ = sequence_tis(old_logp, rollout_logp, jnp.ones((2, 2)), cap=2.0)
+      >>> [[round(float(w), 4) for w in row] for row in weight]
+      [[1.6487, 1.6487], [2.0, 2.0]]
     """
     check_positive("cap", cap)
     seq_log_r, _ = sequence_log_ratio(old_logp, rollout_logp, mask)
@@ -129,6 +145,14 @@ def token_mis(
       metrics)``; metrics: ``token_mis_masked_token_frac``,
       ``token_mis_masked_seq_frac`` (sequences with at least one masked token),
       ``token_mis_weight_mean`` (over the tokens kept).
+
+    Example: ``log_r = [0.5, 2.0]``: ``exp(0.5)`` is in ``[0.5, 5]``, ``exp(2) = 7.39`` is masked:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import token_mis
+      >>> old_logp, rollout_logp = jnp.array([[-0.5, -1.0]]), jnp.array([[-1.0, -3.0]])
+      >>> weight, keep, _ = token_mis(old_logp, rollout_logp, jnp.ones((1, 2)))
+      >>> [round(float(w), 4) for w in weight[0]], keep.tolist()
+      ([1.6487, 0.0], [[True, False]])
     """
     check_positive("c_low", c_low)
     check_positive("c_high", c_high)
@@ -164,6 +188,14 @@ def sequence_mis(
       ``(weight [B, T] float32 detached, keep [B, T] bool, metrics)``; metrics:
       ``seq_mis_masked_token_frac``, ``seq_mis_masked_seq_frac``,
       ``seq_mis_weight_mean`` (over the tokens kept).
+
+    Example: sequence ratios ``exp(0.5) <= 2`` (kept) and ``exp(1) > 2`` (rejected):
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import sequence_mis
+      >>> old_logp, rollout_logp = jnp.array([[-0.75, -0.75], [-0.5, -0.5]]), jnp.full((2, 2), -1.0)
+      >>> weight, keep, _ = sequence_mis(old_logp, rollout_logp, jnp.ones((2, 2)), cap=2.0)
+      >>> [[round(float(w), 4) for w in row] for row in weight], keep.tolist()
+      ([[1.6487, 1.6487], [0.0, 0.0]], [[True, True], [False, False]])
     """
     check_positive("cap", cap)
     if lower is not None:
@@ -207,6 +239,14 @@ def geo_rs(
       ``(weight [B, T] float32 (1 kept, 0 rejected), keep [B, T] bool, metrics)``;
       metrics: ``geo_rs_masked_token_frac``, ``geo_rs_masked_seq_frac``,
       ``geo_rs_log_rho_geo_mean`` (mean of ``log_r / T_seq`` over sequences with tokens).
+
+    Example: geometric means ``exp(0) = 1`` (kept) and ``exp(0.01) > 1.001`` (rejected):
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import geo_rs
+      >>> old_logp, rollout_logp = jnp.array([[-1.0, -1.0], [-0.99, -0.99]]), jnp.full((2, 2), -1.0)
+      >>> weight, keep, _ = geo_rs(old_logp, rollout_logp, jnp.ones((2, 2)))
+      >>> weight.tolist(), keep.tolist()
+      ([[1.0, 1.0], [0.0, 0.0]], [[True, True], [False, False]])
     """
     check_positive("lower", lower)
     check_ordered("lower", lower, "upper", upper)
@@ -251,6 +291,15 @@ def sequence_kl_rs(
       ``(weight [B, T] float32 (1 kept, 0 rejected or off mask), keep [B, T] bool, metrics)``;
       metrics: ``seq_kl_rs_masked_token_frac``, ``seq_kl_rs_masked_seq_frac``,
       ``seq_kl_rs_value_mean`` (mean of the aggregate over sequences with tokens).
+
+    Example: mean k3 of ``log_r = [0, 0]`` is 0 (kept), of ``[0.5, 0.5]`` it is
+    ``exp(0.5) - 1.5 = 0.1487 > 0.01`` (rejected); the batch mean is ``0.1487 / 2``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import sequence_kl_rs
+      >>> old_logp, rollout_logp = jnp.array([[-1.0, -1.0], [-0.5, -0.5]]), jnp.full((2, 2), -1.0)
+      >>> _, keep, metrics = sequence_kl_rs(old_logp, rollout_logp, jnp.ones((2, 2)), estimator="k3", threshold=0.01)
+      >>> keep.tolist(), round(float(metrics["seq_kl_rs_value_mean"]), 4)
+      ([[True, True], [False, False]], 0.0744)
     """
     check_choice("estimator", estimator, KL_RS_ESTIMATORS)
     check_choice("aggregate", aggregate, KL_RS_AGGREGATES)
@@ -304,6 +353,13 @@ def batch_normalize_is_weights(
     Returns:
       ``(weight [B, T] float32 detached, 0 off mask; metrics)``; metrics:
       ``is_batch_norm_factor`` (the divisor used).
+
+    Example: token mean of ``[1, 3]`` is 2:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import batch_normalize_is_weights
+      >>> weight, metrics = batch_normalize_is_weights(jnp.array([[1.0, 3.0]]), jnp.ones((1, 2)), level="token")
+      >>> [round(float(w), 4) for w in weight[0]], float(metrics["is_batch_norm_factor"])
+      ([0.5, 1.5], 2.0)
     """
     check_floating("weight", weight)
     check_mask("mask", mask)
@@ -346,6 +402,16 @@ def combine_corrections(
       ``(weight [B, T] float32 detached, keep [B, T] bool, metrics)``: both
       corrections' metrics (their names do not overlap) and
       ``correction_weight_mean`` (over the tokens kept).
+
+    Example: token-TIS weights ``[exp(0.5), 2]`` (``log_r = [0.5, 2.0]``, cap 2) on the tokens
+    token-MIS keeps (``exp(2) > 5`` is masked):
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import combine_corrections, token_mis, token_tis
+      >>> old_logp, rollout_logp, mask = jnp.array([[-0.5, -1.0]]), jnp.array([[-1.0, -3.0]]), jnp.ones((1, 2))
+      >>> tis, mis = token_tis(old_logp, rollout_logp, mask), token_mis(old_logp, rollout_logp, mask)
+      >>> weight, keep, _ = combine_corrections(tis, mis)
+      >>> [round(float(w), 4) for w in weight[0]], keep.tolist()
+      ([1.6487, 0.0], [[True, False]])
     """
     is_weight, is_keep, is_metrics = is_correction
     _, rs_keep, rs_metrics = rejection

@@ -53,6 +53,13 @@ def token_logprobs_from_logits(logits: jax.Array, targets: jax.Array) -> jax.Arr
       targets: ``[...]`` integer token ids.
     Returns:
       ``[...]`` float32.
+
+    Example: ``log 0.75`` and ``log 0.5``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import token_logprobs_from_logits
+      >>> logits = jnp.log(jnp.array([[0.25, 0.75], [0.5, 0.5]]))
+      >>> [round(float(x), 4) for x in token_logprobs_from_logits(logits, jnp.array([1, 0]))]
+      [-0.2877, -0.6931]
     """
     check_floating("logits", logits)
     check_integer("targets", targets)
@@ -74,6 +81,13 @@ def token_entropy_from_logits(logits: jax.Array) -> jax.Array:
       logits: ``[..., V]`` any float dtype.
     Returns:
       ``[...]`` float32.
+
+    Example: ``log 2`` for a fair coin, ``-(0.25 log 0.25 + 0.75 log 0.75)``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import token_entropy_from_logits
+      >>> logits = jnp.log(jnp.array([[0.5, 0.5], [0.25, 0.75]]))
+      >>> [round(float(h), 4) for h in token_entropy_from_logits(logits)]
+      [0.6931, 0.5623]
     """
     check_floating("logits", logits)
     z = logits.astype(jnp.float32)
@@ -104,6 +118,12 @@ def entropy_bonus(entropy: jax.Array, mask: jax.Array, *, coef: float) -> jax.Ar
       coef: entropy coefficient (>= 0; adding the term to a minimised loss raises entropy).
     Returns:
       ``[B, T]`` float32, zero where ``mask`` is 0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import entropy_bonus
+      >>> [round(float(x), 4) for x in entropy_bonus(jnp.array([[1.0, 2.0]]), jnp.array([[1, 0]]), coef=0.01)[0]]
+      [-0.01, 0.0]
     """
     _check_token_inputs(mask, entropy=entropy)
     check_positive("coef", coef, allow_zero=True)
@@ -127,6 +147,13 @@ def centered_cov(logp: jax.Array, advantages: jax.Array, mask: jax.Array) -> jax
       mask: ``[B, T]`` bool/0-1.
     Returns:
       ``[B, T]`` float32, zero where ``mask`` is 0.
+
+    Example: masked means ``logp -2``, ``A 0``: ``(1)(1)`` and ``(-1)(-1)``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import centered_cov
+      >>> logp, adv, mask = jnp.array([[-1.0, -3.0, 0.0]]), jnp.array([[1.0, -1.0, 5.0]]), jnp.array([[1, 1, 0]])
+      >>> [round(float(c), 4) for c in centered_cov(logp, adv, mask)[0]]
+      [1.0, 1.0, 0.0]
     """
     _check_token_inputs(mask, logp=logp, advantages=advantages)
     keep = mask.astype(bool)
@@ -188,6 +215,14 @@ def clip_cov_mask(
       ``(detach [B, T] bool, metrics)``; metrics (scalars): ``clip_cov_count``
       (int32, tokens detached), ``clip_cov_candidates`` (int32, tokens in the
       band), ``clip_cov_fraction`` (float32, count / N).
+
+    Example: ``Cov = [6, 2, 0, 0]``; only token 1 is in ``[1, 5]``, and ``floor(0.25 * 4) = 1``:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxrl.losses import clip_cov_mask
+      >>> logp, adv = jnp.array([[-1.0, -3.0, -2.0, -2.0]]), jnp.array([[6.0, -2.0, -2.0, -2.0]])
+      >>> detach, metrics = clip_cov_mask(logp, adv, jnp.ones((1, 4)), jax.random.PRNGKey(0), ratio=0.25)
+      >>> detach.tolist(), int(metrics["clip_cov_candidates"])
+      ([[False, True, False, False]], 1)
     """
     cov = centered_cov(logp, advantages, mask)
     check_interval("ratio", ratio, 0.0, 1.0)
@@ -229,6 +264,14 @@ def kl_cov_select(
     Returns:
       ``(selected [B, T] bool, metrics)``; metrics: ``kl_cov_count`` (int32),
       ``kl_cov_fraction`` (float32, count / N).
+
+    Example: ``Cov = [6, 2, 0, 0]``, the top ``floor(0.25 * 4) = 1``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import kl_cov_select
+      >>> logp, adv = jnp.array([[-1.0, -3.0, -2.0, -2.0]]), jnp.array([[6.0, -2.0, -2.0, -2.0]])
+      >>> selected, metrics = kl_cov_select(logp, adv, jnp.ones((1, 4)), ratio=0.25)
+      >>> selected.tolist(), float(metrics["kl_cov_fraction"])
+      ([[True, False, False, False]], 0.25)
     """
     cov = centered_cov(logp, advantages, mask)
     check_interval("ratio", ratio, 0.0, 1.0)
@@ -265,6 +308,13 @@ def kl_cov_gap_penalty(
       beta: penalty coefficient (>= 0).
     Returns:
       ``[B, T]`` float32, zero off ``selected``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import kl_cov_gap_penalty
+      >>> logp, old_logp, selected = jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, -1.0]]), jnp.array([[True, False]])
+      >>> [round(float(x), 4) for x in kl_cov_gap_penalty(logp, old_logp, selected, beta=1.0)[0]]
+      [0.5, 0.0]
     """
     check_floating("logp", logp)
     check_floating("old_logp", old_logp)
@@ -299,6 +349,15 @@ def kl_cov_penalty(
     Returns:
       ``(penalty [B, T] float32, selected [B, T] bool, metrics)``; metrics:
       ``kl_cov_count`` (int32), ``kl_cov_fraction`` (float32, count / N).
+
+    Example: token 0 has the top ``Cov`` (6, as in :func:`kl_cov_select`) and ``|-1 - (-1.5)| = 0.5``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import kl_cov_penalty
+      >>> logp, old_logp = jnp.array([[-1.0, -3.0, -2.0, -2.0]]), jnp.array([[-1.5, -3.0, -2.0, -2.0]])
+      >>> adv = jnp.array([[6.0, -2.0, -2.0, -2.0]])
+      >>> penalty, _, _ = kl_cov_penalty(logp, old_logp, adv, jnp.ones((1, 4)), ratio=0.25)
+      >>> [round(float(x), 4) for x in penalty[0]]
+      [0.5, 0.0, 0.0, 0.0]
     """
     selected, metrics = kl_cov_select(logp, advantages, mask, ratio=ratio)
     return kl_cov_gap_penalty(logp, old_logp, selected, beta=beta), selected, metrics
@@ -313,6 +372,13 @@ class EntropyLawFit:
     """Least-squares fit of ``R = -a exp(H) + b`` (docs/losses.md#entropy-performance-law); all float32 scalars.
 
     ``ceiling = b - a`` is the reward predicted when entropy reaches 0.
+
+    Example: ``R = 1 - 0.1 exp(H)`` exactly, so at ``H = 0`` the ceiling is ``0.9``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import fit_entropy_law
+      >>> fit = fit_entropy_law(jnp.log(jnp.array([1.0, 2.0, 3.0])), jnp.array([0.9, 0.8, 0.7]))
+      >>> round(float(fit.ceiling), 4)
+      0.9
     """
 
     a: jax.Array
@@ -334,6 +400,13 @@ def fit_entropy_law(entropy: jax.Array, reward: jax.Array) -> EntropyLawFit:
       :class:`EntropyLawFit` with ``a``, ``b``, ``ceiling = b - a`` and the RMSE
       of the fitted rewards. Needs ``S >= 2`` and entropies that are not all equal
       (otherwise ``a`` is not identified and comes back NaN).
+
+    Example: the points ``exp(H) = [1, 2, 3]``, ``R = [0.9, 0.8, 0.7]`` lie on ``R = -0.1 exp(H) + 1``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import fit_entropy_law
+      >>> fit = fit_entropy_law(jnp.log(jnp.array([1.0, 2.0, 3.0])), jnp.array([0.9, 0.8, 0.7]))
+      >>> [round(float(x), 4) for x in (fit.a, fit.b, fit.rmse)]
+      [0.1, 1.0, 0.0]
     """
     check_rank("entropy", entropy, 1)
     check_floating("entropy", entropy)

@@ -36,6 +36,14 @@ def gae_advantages(
     Returns:
       (advantages, returns), float32 ``[B, T]``, zero at masked positions;
       ``returns = advantages + values`` on generated tokens (the critic target).
+
+    Example: with ``gamma = lam = 1``, ``A_t`` is the reward-to-go minus ``V_t``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import gae_advantages
+      >>> rewards, values = jnp.array([[0.0, 0.0, 1.0]]), jnp.array([[0.2, 0.5, 0.8]])
+      >>> adv, ret = gae_advantages(rewards, values, jnp.ones((1, 3)), gamma=1.0, lam=1.0)
+      >>> [round(float(a), 4) for a in adv[0]], [round(float(r), 4) for r in ret[0]]
+      ([0.8, 0.5, 0.2], [1.0, 1.0, 1.0])
     """
     _validate.check_floating("token_rewards", token_rewards)
     _validate.check_floating("values", values)
@@ -74,6 +82,13 @@ def whiten_advantages(advantages: Array, mask: Array, *, eps: float = 1e-8) -> A
     Args:
       advantages: float ``[B, T]``; mask: bool/0-1 ``[B, T]``; eps: > 0.
     Returns: float32 ``[B, T]``, zero at masked positions.
+
+    Example: the masked tokens ``[1, 2, 3]`` have mean 2 and sample variance 1:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import whiten_advantages
+      >>> adv = whiten_advantages(jnp.array([[1.0, 2.0, 3.0, 100.0]]), jnp.array([[1, 1, 1, 0]]))
+      >>> [round(float(a), 4) for a in adv[0]]
+      [-1.0, 0.0, 1.0, 0.0]
     """
     _validate.check_floating("advantages", advantages)
     _validate.check_mask("mask", mask)

@@ -74,13 +74,27 @@ def _check_clamp(clamp: float | None, kind: str | None = None) -> None:
 
 def kl_k1(logp: Array, ref_logp: Array) -> Array:
     """``k1 = -log_delta = logp - ref_logp`` (docs/losses.md#kl-value-estimators): unbiased, can be negative.
-    Float ``[...]`` -> float32 ``[...]``."""
+    Float ``[...]`` -> float32 ``[...]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import kl_k1
+      >>> [round(float(k), 4) for k in kl_k1(jnp.array([-1.0, -1.5]), jnp.array([-1.5, -1.0]))]
+      [0.5, -0.5]
+    """
     return -_log_delta(logp, ref_logp)
 
 
 def kl_k2(logp: Array, ref_logp: Array) -> Array:
     """``k2 = 0.5 * log_delta**2`` (docs/losses.md#kl-value-estimators): biased, low variance.
-    Float ``[...]`` -> float32 ``[...]``."""
+    Float ``[...]`` -> float32 ``[...]``.
+
+    Example: ``0.5 * 0.5^2``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import kl_k2
+      >>> round(float(kl_k2(jnp.array(-1.0), jnp.array(-1.5))), 4)
+      0.125
+    """
     return 0.5 * _log_delta(logp, ref_logp) ** 2
 
 
@@ -97,6 +111,12 @@ def kl_k3(logp: Array, ref_logp: Array, *, clamp: float | None = None) -> Array:
     ``log_delta`` overflows early); this float32 ``expm1`` overflows only for
     ``pi_ref / pi > e^88``. With a clamp, such tokens get the value ``clamp``
     and a zero (finite) gradient.
+
+    Example: ``log_delta = -0.5``, ``k3 = exp(-0.5) - 1 + 0.5``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import kl_k3
+      >>> round(float(kl_k3(jnp.array(-1.0), jnp.array(-1.5))), 4)
+      0.1065
     """
     _check_clamp(clamp)
     return _k3(_log_delta(logp, ref_logp), clamp)
@@ -109,6 +129,12 @@ def kl_abs(logp: Array, ref_logp: Array) -> Array:
     Its gradient with respect to ``logp`` is ``sign(logp - ref_logp)``, 0
     where they are equal (as torch's ``abs``; ``jnp.abs`` would give 1 there,
     which at initialisation, policy = reference, pushes every token down).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import kl_abs
+      >>> [round(float(k), 4) for k in kl_abs(jnp.array([-1.0, -1.5]), jnp.array([-1.5, -1.0]))]
+      [0.5, 0.5]
     """
     k1 = -_log_delta(logp, ref_logp)
     return k1 * jnp.sign(jax.lax.stop_gradient(k1))
@@ -193,6 +219,13 @@ def kl_coefficient(kind: str, logp: Array, ref_logp: Array, *, clamp: float | No
       coefficient is 0 where ``|k3| > clamp``; "k3+-as-loss" has k2's
       coefficient whatever the clamp.
     Returns: float32 ``[...]``, with no gradient.
+
+    Example: ``log(pi / pi_ref) = 0.5``: k2's ``c = 0.5``, k3's ``c = 1 - exp(-0.5)``, k1's ``c = 1``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import kl_coefficient
+      >>> logp, ref_logp = jnp.array(-1.0), jnp.array(-1.5)
+      >>> [round(float(kl_coefficient(k, logp, ref_logp)), 4) for k in ("k2-as-loss", "k3-as-loss", "k1-as-loss")]
+      [0.5, 0.3935, 1.0]
     """
     _validate.check_choice("kind", kind, KL_REGULARIZERS)
     _check_clamp(clamp, kind)
@@ -224,6 +257,15 @@ def kl_as_loss(kind: str, logp: Array, ref_logp: Array, mask: Array, *, clamp: f
       default, see :func:`kl_k3`).
     Returns: float32 ``[B, T]``, 0 on masked tokens; its gradient with respect
       to ``logp`` is ``kl_coefficient(kind, ..., clamp=clamp)``.
+
+    Example: "k3-as-loss" at ``log_delta = -0.5``: value ``exp(-0.5) - 0.5``, gradient ``1 - exp(-0.5)``:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxrl.losses import kl_as_loss
+      >>> logp, ref_logp, mask = jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, 0.0]]), jnp.array([[1, 0]])
+      >>> term = lambda lp: kl_as_loss("k3-as-loss", lp, ref_logp, mask)
+      >>> grad = jax.grad(lambda lp: term(lp).sum())(logp)
+      >>> [round(float(x), 4) for x in term(logp)[0]], [round(float(g), 4) for g in grad[0]]
+      ([0.1065, 0.0], [0.3935, 0.0])
     """
     if kind == "k1-in-reward":
         raise ValueError(
@@ -257,6 +299,15 @@ def kl_in_reward(rewards: Array, sample_logp: Array, ref_logp: Array, mask: Arra
         masked sum of k1 over the sequence).
       sample_logp, ref_logp: float ``[B, T]``; mask ``[B, T]``; coef >= 0.
     Returns: float32, shape of ``rewards``, with no gradient.
+
+    Example: ``k1 = [0.5, 1.0]``, ``coef = 0.1``; a sequence reward loses ``0.1 * 1.5``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import kl_in_reward
+      >>> logp, ref_logp, mask = jnp.array([[-1.0, -1.0]]), jnp.array([[-1.5, -2.0]]), jnp.ones((1, 2))
+      >>> [round(float(r), 4) for r in kl_in_reward(jnp.array([1.0]), logp, ref_logp, mask, coef=0.1)]
+      [0.85]
+      >>> [round(float(r), 4) for r in kl_in_reward(jnp.array([[0.0, 1.0]]), logp, ref_logp, mask, coef=0.1)[0]]
+      [-0.05, 0.9]
     """
     _validate.check_floating("rewards", rewards)
     _validate.check_mask("mask", mask)
@@ -312,6 +363,15 @@ def kl_off_policy_token_loss(
       clamp: k3's clip for the kinds in ``CLAMP_KINDS`` (see :func:`kl_coefficient`).
     Returns: (float32 ``[B, T]`` token loss, 0 on masked tokens; the policy
       loss's clip metrics for this head).
+
+    Example: "k2-as-loss" at ratio 1 (``logp = old_logp``): ``c' = logp - ref_logp = 0.5``, and the loss
+    ``-rho * (-c')`` has value and gradient ``c'``:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxrl.losses import kl_off_policy_token_loss
+      >>> logp, ref_logp, mask = jnp.array([[-1.0]]), jnp.array([[-1.5]]), jnp.ones((1, 1))
+      >>> f = lambda lp: kl_off_policy_token_loss("k2-as-loss", lp, logp, ref_logp, mask, eps_low=0.2, eps_high=0.28)
+      >>> round(float(f(logp)[0].sum()), 4), round(float(jax.grad(lambda lp: f(lp)[0].sum())(logp)[0, 0]), 4)
+      (0.5, 0.5)
     """
     _validate.check_same_shape(logp=logp, old_logp=old_logp, ref_logp=ref_logp, mask=mask)
     if kind == "k1-as-loss":

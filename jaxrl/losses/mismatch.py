@@ -58,6 +58,13 @@ def token_log_ratio(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Arra
     Returns:
       ``[B, T]`` float32, detached (masked-out entries are 0 even if the inputs
       hold -inf or NaN there).
+
+    Example (exported as ``jaxrl.losses.mismatch_token_log_ratio``):
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import mismatch_token_log_ratio
+      >>> old_logp, rollout_logp = jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, -jnp.inf]])
+      >>> mismatch_token_log_ratio(old_logp, rollout_logp, jnp.array([[1, 0]])).tolist()
+      [[0.5, 0.0]]
     """
     _check_pair(old_logp, rollout_logp, mask)
     diff = jax.lax.stop_gradient(old_logp.astype(_f32) - rollout_logp.astype(_f32))
@@ -72,6 +79,14 @@ def sequence_log_ratio(
     Returns:
       ``(log_r [B] float32, num_tokens [B] int32)``: the sum and the count of
       masked tokens of each sequence.
+
+    Example (exported as ``jaxrl.losses.mismatch_sequence_log_ratio``): ``0.5 + 0.25`` over 2 tokens:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import mismatch_sequence_log_ratio
+      >>> old_logp, rollout_logp = jnp.array([[-1.0, -1.0, 0.0]]), jnp.array([[-1.5, -1.25, 0.0]])
+      >>> log_r, num_tokens = mismatch_sequence_log_ratio(old_logp, rollout_logp, jnp.array([[1, 1, 0]]))
+      >>> [round(float(x), 4) for x in log_r], num_tokens.tolist()
+      ([0.75], [2])
     """
     log_r = token_log_ratio(old_logp, rollout_logp, mask)
     return jnp.sum(log_r, axis=-1), jnp.sum(mask.astype(bool), axis=-1, dtype=jnp.int32)
@@ -175,6 +190,13 @@ def mismatch_metrics(
       mask: ``[B, T]`` bool/0-1.
     Returns:
       dict of scalars: float32, counts int32.
+
+    Example: ``log_r = [0.5, -0.5]``: k1 0, k2 ``0.125``, k3 ``((e^0.5 - 1.5) + (e^-0.5 - 0.5)) / 2``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import mismatch_metrics
+      >>> m = mismatch_metrics(jnp.array([[-1.0, -1.0]]), jnp.array([[-1.5, -0.5]]), jnp.ones((1, 2)))
+      >>> [round(float(m[k]), 4) for k in ("mismatch_k1", "mismatch_k2", "mismatch_k3")], int(m["mismatch_num_tokens"])
+      ([0.0, 0.125, 0.1276], 2)
     """
     _check_pair(old_logp, rollout_logp, mask)
     return _batch_metrics(*_as_f32(old_logp, rollout_logp, mask), prefix="mismatch_")
@@ -216,6 +238,15 @@ def mismatch_metrics_by_rollout_prob(
     Returns:
       dict ``mismatch_bucket_<stat>`` -> ``[K]`` float32 (``num_tokens`` int32),
       0 in empty buckets, plus ``mismatch_bucket_edges`` ``[K + 1]``.
+
+    Example: rollout probabilities ``exp(-1.5) = 0.22`` and ``exp(-0.5) = 0.61``, one per bucket,
+    with ``log_r = 0.5`` and ``-0.5``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import mismatch_metrics_by_rollout_prob
+      >>> old_logp, rollout_logp = jnp.array([[-1.0, -1.0]]), jnp.array([[-1.5, -0.5]])
+      >>> m = mismatch_metrics_by_rollout_prob(old_logp, rollout_logp, jnp.ones((1, 2)), edges=(0.0, 0.5, 1.0))
+      >>> m["mismatch_bucket_num_tokens"].tolist(), [round(float(k), 4) for k in m["mismatch_bucket_k1"]]
+      ([1, 1], [-0.5, 0.5])
     """
     _check_pair(old_logp, rollout_logp, mask)
     values = _check_edges(edges)
@@ -248,6 +279,14 @@ def mismatch_metrics_by_turn(
     Returns:
       dict with keys ``first_turn_<stat>`` and ``later_turns_<stat>`` for every
       ``<stat>`` of :func:`mismatch_metrics` (without its ``mismatch_`` prefix).
+
+    Example: turn 0 has ``log_r = 0.5`` (k1 ``-0.5``), turn 1 ``log_r = -0.5`` (k1 ``0.5``):
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import mismatch_metrics_by_turn
+      >>> old_logp, rollout_logp, turn_ids = jnp.array([[-1.0, -1.0]]), jnp.array([[-1.5, -0.5]]), jnp.array([[0, 1]])
+      >>> m = mismatch_metrics_by_turn(old_logp, rollout_logp, jnp.ones((1, 2)), turn_ids)
+      >>> round(float(m["first_turn_k1"]), 4), round(float(m["later_turns_k1"]), 4)
+      (-0.5, 0.5)
     """
     _check_pair(old_logp, rollout_logp, mask)
     check_integer("turn_ids", turn_ids)
@@ -288,6 +327,14 @@ def batch_filter(
     Returns:
       ``(skip bool scalar, metrics)``; metrics: ``batch_filter_skip`` (int32
       0/1) and ``batch_filter_value`` (the metric's value).
+
+    Example: k3 of ``log_r = [0.5, -0.5]`` is 0.1276 (see :func:`mismatch_metrics`), above 0.1:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import batch_filter
+      >>> old_logp, rollout_logp = jnp.array([[-1.0, -1.0]]), jnp.array([[-1.5, -0.5]])
+      >>> skip, metrics = batch_filter(old_logp, rollout_logp, jnp.ones((1, 2)), threshold=0.1)
+      >>> bool(skip), round(float(metrics["batch_filter_value"]), 4)
+      (True, 0.1276)
     """
     check_choice("metric", metric, BATCH_FILTER_METRICS)
     value = mismatch_metrics(old_logp, rollout_logp, mask)[metric]

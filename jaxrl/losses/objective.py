@@ -63,19 +63,16 @@ class ObjectiveConfig:
       eps_low, eps_high [0.2, 0.28]: clip range (DAPO clip-higher); GSPO wants
         ~3e-4 / 4e-4, GMPO's are log-space bounds (paper 0.4 / 0.4), "reinforce" and "sapo"
         ignore them. dual_clip [None]: c > 1 for A < 0, for the kinds in ``policy.DUAL_CLIP_LOSSES``.
-      aggregation ["token-mean"]: one of ``aggregation.AGGREGATION_MODES``; the
-        caller computes ``normalizer`` with ``losses.loss_normalizer`` on the
-        global batch for this mode.
+      aggregation ["token-mean"]: one of ``aggregation.AGGREGATION_MODES``; the caller computes
+        ``normalizer`` with ``losses.loss_normalizer`` on the global batch for this mode.
       kl_kind ["none"], kl_coef [0.0]: KL regulariser (docs/losses.md#kl-regularisers). "k1-in-reward"
-        adds nothing to the loss: fold it into the rewards with
-        ``losses.kl_in_reward`` before the advantages (see
-        ``kl_in_reward_coef``). "k1-as-loss" is allowed but warns.
+        adds nothing to the loss: fold it into the rewards with ``losses.kl_in_reward`` before the
+        advantages (see ``kl_in_reward_coef``). "k1-as-loss" is allowed but warns.
       kl_off_policy_correction [True]: send as-loss kinds through the policy
         ratio and clip (appendix G); False uses the plain on-policy as-loss.
       entropy_coef [0.0]: entropy bonus ``-coef * H`` (needs ``entropy``).
-      entropy_control ["none"]: "clip-cov" (clip_cov_ratio 2e-4,
-        clip_cov_omega_low 1, clip_cov_omega_high 5; needs ``key``) or
-        "kl-cov" (kl_cov_ratio 2e-3, kl_cov_beta 1) (docs/losses.md#clip-cov-and-kl-cov defaults).
+      entropy_control ["none"]: "clip-cov" (clip_cov_ratio 2e-4, clip_cov_omega_low 1, clip_cov_omega_high 5;
+        needs ``key``) or "kl-cov" (kl_cov_ratio 2e-3, kl_cov_beta 1) (docs/losses.md#clip-cov-and-kl-cov defaults).
       mismatch_correction ["none"]: "token-tis" / "seq-tis" (cap ``tis_cap`` 2),
         "token-mis" = "icepop" (band [1/mis_c_low, mis_c_high] = [0.5, 5]),
         "seq-mis" (cap ``seq_mis_cap`` 2, optional lower bound ``seq_mis_lower``), "geo-rs" ([geo_rs_lower,
@@ -89,12 +86,15 @@ class ObjectiveConfig:
         mini-batch (token mean for token-tis, mean of sequence means for seq-tis).
       kl_clamp [None]: clamp k3 to [-kl_clamp, kl_clamp] for "k3-as-loss" / "k3+-as-loss" as
         verl's low_var_kl does (10); off by default: it biases the estimate and silences outliers.
-      bypass [False]: use ``rollout_logp`` as ``old_logp`` (Ring-Linear eq. 5);
-        excludes a mismatch correction and the batch filter (no learner/rollout
-        ratio is left).
-      batch_filter_threshold [None]: report ``batch_filter_skip`` when
-        ``batch_filter_metric`` ["mismatch_k3"] exceeds it; the trainer skips
-        the optimizer step (a zero loss is not a skip under Adam).
+      bypass [False]: use ``rollout_logp`` as ``old_logp`` (Ring-Linear eq. 5); excludes a mismatch
+        correction and the batch filter (no learner/rollout ratio is left).
+      batch_filter_threshold [None]: report ``batch_filter_skip`` when ``batch_filter_metric``
+        ["mismatch_k3"] exceeds it; the trainer skips the optimizer step (a zero loss is not a skip under Adam).
+
+    Example:
+      >>> from jaxrl.losses import ObjectiveConfig
+      >>> ObjectiveConfig(kl_kind="k1-in-reward", kl_coef=0.05).kl_in_reward_coef, ObjectiveConfig().kl_in_reward_coef
+      (0.05, 0.0)
     """
 
     policy_loss: Literal["ppo", "gspo", "gspo-token", "cispo", "gmpo", "reinforce", "sapo"] = "ppo"
@@ -237,7 +237,15 @@ def active_rejections(config: ObjectiveConfig) -> list[tuple[str, str, str, tupl
 def is_batch_mean(config: ObjectiveConfig, old_logp: Array, rollout_logp: Array, mask: Array) -> Array:
     """The mean IS weight ``is_batch_normalize`` divides by, over the tokens given: call it on the
     optimizer step's whole batch and pass it to each micro-batch's :func:`rl_objective` as
-    ``is_batch_mean``, so the normalisation does not depend on the split."""
+    ``is_batch_mean``, so the normalisation does not depend on the split.
+
+    Example: token-TIS weights ``[exp(0), min(exp(1), 2)] = [1, 2]`` have mean 1.5:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import ObjectiveConfig, is_batch_mean
+      >>> config = ObjectiveConfig(mismatch_correction="token-tis", is_batch_normalize=True)
+      >>> float(is_batch_mean(config, jnp.array([[-1.0, -0.5]]), jnp.array([[-1.0, -1.5]]), jnp.ones((1, 2))))
+      1.5
+    """
     weight, _, _ = _correction(config, config.mismatch_correction, old_logp, rollout_logp, mask)
     level = _IS_LEVELS[config.mismatch_correction]
     return corrections.batch_normalize_is_weights(weight, mask, level=level)[1]["is_batch_norm_factor"]
@@ -274,9 +282,8 @@ def entropy_control_selection(
     """Clip-Cov's detached tokens or KL-Cov's penalised tokens over all masked tokens given
     (docs/losses.md#clip-cov-and-kl-cov).
 
-    Call it on the optimizer step's whole batch (with the ``logp`` of the
-    parameters being differentiated) and pass the rows of each micro-batch to
-    :func:`rl_objective` as ``cov_selection``.
+    Call it on the optimizer step's whole batch (with the ``logp`` of the parameters being
+    differentiated) and pass the rows of each micro-batch to :func:`rl_objective` as ``cov_selection``.
 
     Args:
       config: an :class:`ObjectiveConfig` with ``entropy_control`` "clip-cov" or "kl-cov".
@@ -287,6 +294,14 @@ def entropy_control_selection(
     Returns:
       ``(selection [B, T] bool, metrics)``: ``clip_cov_count``, ``clip_cov_candidates``,
       ``clip_cov_fraction`` or ``kl_cov_count``, ``kl_cov_fraction`` (over the ``N`` tokens).
+
+    Example: KL-Cov's top ``floor(0.25 * 4) = 1`` token by ``Cov = [6, 2, 0, 0]``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import ObjectiveConfig, entropy_control_selection
+      >>> logp, adv = jnp.array([[-1.0, -3.0, -2.0, -2.0]]), jnp.array([[6.0, -2.0, -2.0, -2.0]])
+      >>> config = ObjectiveConfig(entropy_control="kl-cov", kl_cov_ratio=0.25)
+      >>> entropy_control_selection(config, logp, adv, jnp.ones((1, 4)))[0].tolist()
+      [[True, False, False, False]]
     """
     if config.entropy_control == "clip-cov":
         if key is None:
@@ -330,21 +345,25 @@ def rl_objective(
       entropy: float ``[B, T]`` token entropy (carries gradient); needed when ``entropy_coef > 0``.
       normalizer: scalar from ``losses.loss_normalizer(config.aggregation, global_mask)``.
       key: ``jax.random`` key; needed by "clip-cov" without ``cov_selection``.
-      cov_selection: ``[B, T]`` bool, this call's rows of
-        :func:`entropy_control_selection` on the whole optimizer-step batch
-        (Clip-Cov's detached / KL-Cov's penalised tokens). None: selected from
-        this call's tokens, which is the same thing only when the call sees the
-        whole batch.
+      cov_selection: ``[B, T]`` bool, this call's rows of :func:`entropy_control_selection` on the whole
+        optimizer-step batch (Clip-Cov's detached / KL-Cov's penalised tokens). None: selected from
+        this call's tokens, which is the same thing only when the call sees the whole batch.
       is_batch_mean: with ``is_batch_normalize``, :func:`is_batch_mean` of the whole optimizer-step
         batch; None: this call's own mean (the same only when the call sees the whole batch).
     Returns:
-      ``(loss float32 scalar, metrics)``. Summable over micro-batches like the
-      loss: ``policy_loss``, ``kl_loss``, ``entropy_loss``. Means over this
-      call's masked tokens: the policy's clip fractions and ratio stats, ``kl_k1`` and
-      ``kl_k3`` (current vs ref), ``entropy``, and the mismatch-correction
-      fractions; the entropy-control counts and fractions when it selects the
-      tokens itself (``cov_selection`` None); ``batch_filter_skip`` (int32 0/1)
-      when a threshold is set.
+      ``(loss float32 scalar, metrics)``. Summable over micro-batches like the loss: ``policy_loss``,
+      ``kl_loss``, ``entropy_loss``. Means over this call's masked tokens: the policy's clip fractions and
+      ratio stats, ``kl_k1`` and ``kl_k3`` (current vs ref), ``entropy``, and the mismatch-correction
+      fractions; the entropy-control counts and fractions when it selects the tokens itself
+      (``cov_selection`` None); ``batch_filter_skip`` (int32 0/1) when a threshold is set.
+
+    Example: on policy (``rho = 1``) PPO's token loss is ``-A``; its token-mean is ``-(1 - 1 + 2) / 3``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import ObjectiveConfig, loss_normalizer, rl_objective
+      >>> logp, adv, mask = jnp.full((2, 2), -1.0), jnp.array([[1.0, -1.0], [2.0, 0.0]]), jnp.array([[1, 1], [1, 0]])
+      >>> normalizer = loss_normalizer("token-mean", mask)
+      >>> round(float(rl_objective(ObjectiveConfig(), logp, logp, adv, mask, normalizer=normalizer)[0]), 4)
+      -0.6667
     """
     if not isinstance(config, ObjectiveConfig):
         raise ValueError(f"config is a {type(config).__name__} but an ObjectiveConfig was expected")

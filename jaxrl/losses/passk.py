@@ -47,6 +47,13 @@ def grpo_passk_advantages(
     Returns:
       advantages (float32, shape of ``rewards``), metrics
       ``{"zero_variance_groups": int32 scalar}``.
+
+    Example: group ``[1, 0, 0]``, gap ``1 - 0``, sample std ``1 / sqrt(3)``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import grpo_passk_advantages
+      >>> adv, _ = grpo_passk_advantages(jnp.array([[1.0, 0.0, 0.0]]))
+      >>> [round(float(a), 4) for a in adv[0]]
+      [1.7321, 0.0, 0.0]
     """
     check_std_args(std_min, std_max, ddof)
     groups = as_groups(rewards, group_size, group_ids, num_groups, mask)
@@ -103,6 +110,14 @@ def passk_advantages(
     Returns:
       advantages (float32, shape of ``rewards``), metrics
       ``{"zero_variance_groups": int32 scalar}``.
+
+    Example: ``n = 4, c = 1, k = 2``: ``rho = 1 - 3/6 = 0.5 = sigma``, ``A_pos = 1``,
+    ``A_neg = (0.5 - 2/3) / 0.5``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import passk_advantages
+      >>> adv, _ = passk_advantages(jnp.array([1.0, 0.0, 0.0, 0.0]), k=2, group_size=4)
+      >>> [round(float(a), 4) for a in adv]
+      [1.0, -0.3333, -0.3333, -0.3333]
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k={k!r} must be a positive Python int (the k of pass@k)")

@@ -41,7 +41,14 @@ def _check_clip_args(eps_low, eps_high, dual_clip) -> None:
 
 def masked_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
     """``log rho_t = logp - old_logp`` on masked tokens, 0 elsewhere (docs/losses.md#policy-losses),
-    float32 ``[B, T]``."""
+    float32 ``[B, T]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import masked_log_ratio
+      >>> masked_log_ratio(jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, -2.0]]), jnp.array([[1, 0]])).tolist()
+      [[0.5, 0.0]]
+    """
     live = jnp.asarray(mask).astype(bool)
     diff = jnp.asarray(logp, jnp.float32) - jnp.asarray(old_logp, jnp.float32)
     return jnp.where(live, diff, 0.0)
@@ -52,6 +59,13 @@ def gspo_log_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
 
     Args: ``logp``, ``old_logp`` float ``[B, T]``; ``mask`` ``[B, T]``.
     Returns: float32 ``[B]``; 0 for a sequence without masked tokens.
+
+    Example: the masked log ratios 0.2 and 0.4 average to 0.3:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import gspo_log_ratio
+      >>> logp, old_logp = jnp.array([[-1.0, -2.0, 0.0]]), jnp.array([[-1.2, -2.4, 5.0]])
+      >>> [round(float(s), 4) for s in gspo_log_ratio(logp, old_logp, jnp.array([[1, 1, 0]]))]
+      [0.3]
     """
     _validate.check_same_shape(logp=logp, old_logp=old_logp, mask=mask)
     _validate.check_rank("logp", logp, 2)
@@ -118,6 +132,14 @@ def ppo_clip_token_loss(
       tokens: ``clip_frac_high`` (A>0, rho > 1+eps_high), ``clip_frac_low``
       (A<0, rho < 1-eps_low), ``dual_clip_frac`` (A<0, rho > c), ``clip_frac``
       (any of them: the tokens with zero gradient), ``ratio_mean``, ``ratio_max``.
+
+    Example: ``A = 1``, ``rho = exp(0.1)`` is inside the clip, ``exp(0.3)`` is clipped at 1.28:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import ppo_clip_token_loss
+      >>> logp, old_logp, adv = jnp.array([[-0.9, -0.7]]), jnp.array([[-1.0, -1.0]]), jnp.ones((1, 2))
+      >>> loss, metrics = ppo_clip_token_loss(logp, old_logp, adv, jnp.ones((1, 2)), eps_low=0.2, eps_high=0.28)
+      >>> [round(float(x), 4) for x in loss[0]], float(metrics["clip_frac_high"])
+      ([-1.1052, -1.28], 0.5)
     """
     _check_token_inputs(logp, old_logp, advantages, mask)
     _check_clip_args(eps_low, eps_high, dual_clip)
@@ -149,6 +171,14 @@ def gspo_token_loss(
     Args/Returns: as :func:`ppo_clip_token_loss` (all fractions are of tokens;
     a clipped sequence clips all its tokens). Default eps are the GSPO paper's
     (3e-4, 4e-4): sequence ratios sit much closer to 1 than token ratios.
+
+    Example: ``s = exp(mean(0.1, 0.3)) = exp(0.2)``, clipped at ``1 + 4e-4`` for ``A = 1``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import gspo_token_loss
+      >>> logp, old_logp, adv = jnp.array([[-0.9, -0.7]]), jnp.array([[-1.0, -1.0]]), jnp.ones((1, 2))
+      >>> loss, metrics = gspo_token_loss(logp, old_logp, adv, jnp.ones((1, 2)))
+      >>> [round(float(x), 4) for x in loss[0]], float(metrics["clip_frac"])
+      ([-1.0004, -1.0004], 1.0)
     """
     _check_token_inputs(logp, old_logp, advantages, mask)
     _check_clip_args(eps_low, eps_high, dual_clip)
@@ -194,6 +224,14 @@ def cispo_token_loss(
       ``clip_frac_low`` (rho < 1-eps_low), ``clip_frac`` (either: the tokens whose
       weight is clipped; their gradient is not zero), ``ratio_mean``,
       ``ratio_max`` (of the unclipped rho).
+
+    Example: ``A = 1``: ``-exp(0.1) * -0.9`` and ``-1.28 * -0.7`` (``exp(0.3)`` clipped at 1.28):
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import cispo_token_loss
+      >>> logp, old_logp, adv = jnp.array([[-0.9, -0.7]]), jnp.array([[-1.0, -1.0]]), jnp.ones((1, 2))
+      >>> loss, metrics = cispo_token_loss(logp, old_logp, adv, jnp.ones((1, 2)))
+      >>> [round(float(x), 4) for x in loss[0]], float(metrics["clip_frac_high"])
+      ([0.9947, 0.896], 0.5)
     """
     _check_token_inputs(logp, old_logp, advantages, mask)
     _check_clip_args(eps_low, eps_high, None)
@@ -246,6 +284,14 @@ def gmpo_token_loss(
       (A<0, l_t < -eps_low), ``clip_frac`` (either: the tokens with zero
       gradient), ``ratio_mean``, ``ratio_max`` (of ``s_i`` on each masked token,
       as GSPO's).
+
+    Example: ``A = 1``, log ratios ``[0.1, 0.6]``, the second clipped to 0.4: ``s = exp(0.25)``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import gmpo_token_loss
+      >>> logp, old_logp, adv = jnp.array([[-0.9, -0.4]]), jnp.array([[-1.0, -1.0]]), jnp.ones((1, 2))
+      >>> loss, metrics = gmpo_token_loss(logp, old_logp, adv, jnp.ones((1, 2)))
+      >>> [round(float(x), 4) for x in loss[0]], float(metrics["clip_frac_high"])
+      ([-1.284, -1.284], 0.5)
     """
     _check_token_inputs(logp, old_logp, advantages, mask)
     _validate.check_positive("eps_low", eps_low, allow_zero=True)
@@ -287,6 +333,14 @@ def reinforce_token_loss(
     Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
       masked tokens: ``ratio_mean``, ``ratio_max`` of ``rho = exp(logp - old_logp)``
       (how far the policy has moved; nothing is clipped).
+
+    Example: ``-A * logp`` token by token:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import reinforce_token_loss
+      >>> logp, adv = jnp.array([[-0.5, -2.0]]), jnp.array([[2.0, -1.0]])
+      >>> loss, _ = reinforce_token_loss(logp, logp, adv, jnp.ones((1, 2)))
+      >>> [round(float(x), 4) for x in loss[0]]
+      [1.0, -2.0]
     """
     _check_token_inputs(logp, old_logp, advantages, mask)
     live = jnp.asarray(mask).astype(bool)
@@ -322,6 +376,14 @@ def sapo_token_loss(
       (the gate replaces the clip: no eps, no dual clip); ``tau_pos``, ``tau_neg`` > 0.
     Returns: token loss float32 ``[B, T]`` (0 on masked tokens); metrics over
       masked tokens: ``ratio_mean``, ``ratio_max`` (nothing is clipped).
+
+    Example: on policy (``rho = 1``) the gate is ``sigmoid(0) * 4 / tau = 2 / tau``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import sapo_token_loss
+      >>> logp, adv = jnp.array([[-1.0, -1.0]]), jnp.array([[1.0, -1.0]])
+      >>> loss, _ = sapo_token_loss(logp, logp, adv, jnp.ones((1, 2)))
+      >>> [round(float(x), 4) for x in loss[0]]  # -2 / 1.0, 2 / 1.05
+      [-2.0, 1.9048]
     """
     _check_token_inputs(logp, old_logp, advantages, mask)
     _validate.check_positive("tau_pos", tau_pos)
@@ -369,6 +431,14 @@ def policy_token_loss(
     Shapes as :func:`ppo_clip_token_loss`. "reinforce" and "sapo" have no clip: the eps are not
     theirs and are not passed. ``dual_clip`` must be None unless ``kind`` is in
     ``DUAL_CLIP_LOSSES`` (ValueError naming both).
+
+    Example: "ppo" with ``A = 1`` and ``rho = exp(0.3)`` clipped at ``1 + eps_high = 1.2``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import policy_token_loss
+      >>> logp, old_logp, adv, mask = jnp.array([[-0.7]]), jnp.array([[-1.0]]), jnp.ones((1, 1)), jnp.ones((1, 1))
+      >>> loss, _ = policy_token_loss("ppo", logp, old_logp, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss[0, 0]), 4)
+      -1.2
     """
     _validate.check_choice("kind", kind, POLICY_LOSSES)
     loss, options = POLICY_LOSSES[kind]

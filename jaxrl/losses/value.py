@@ -48,6 +48,15 @@ def clipped_value_loss(values: Array, old_values: Array, returns: Array, mask: A
       ``aggregate_loss``), metrics over the masked tokens: ``vf_clip_frac`` (the fraction
       where the clipped term is the larger one, i.e. the clip decides the gradient),
       ``values_mean``, ``value_error`` (mean |V - R|).
+
+    Example: token 1 is clipped to ``0.5 + 0.2``, ``0.5 * (0.7 - 2)^2 = 0.845``; token 2 is
+    inside the clip, ``0.5 * 0.6^2 = 0.18``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import clipped_value_loss
+      >>> values, old, ret = jnp.array([[1.0, 0.6]]), jnp.array([[0.5, 0.5]]), jnp.array([[2.0, 0.0]])
+      >>> loss, metrics = clipped_value_loss(values, old, ret, jnp.ones((1, 2)), clip=0.2)
+      >>> [round(float(x), 4) for x in loss[0]], float(metrics["vf_clip_frac"])
+      ([0.845, 0.18], 0.5)
     """
     _check_values(mask, values=values, old_values=old_values, returns=returns)
     if clip is not None:
@@ -92,6 +101,13 @@ def explained_variance(returns: Array, values: Array, mask: Array) -> Array:
     Args:
       returns, values: float ``[B, T]``; mask: bool/0-1 ``[B, T]``.
     Returns: float32 scalar, no gradient.
+
+    Example: ``Var([1, 2, 3]) = 2/3``, ``Var(R - V) = Var([0, 0, 1]) = 2/9``, ``EV = 1 - 1/3``:
+      >>> import jax.numpy as jnp
+      >>> from jaxrl.losses import explained_variance
+      >>> ev = explained_variance(jnp.array([[1.0, 2.0, 3.0]]), jnp.array([[1.0, 2.0, 2.0]]), jnp.ones((1, 3)))
+      >>> round(float(ev), 4)
+      0.6667
     """
     _check_values(mask, returns=returns, values=values)
     live = jnp.asarray(mask).astype(bool)
