@@ -10,8 +10,7 @@ recompute  ``old_logp``, ``ref_logp``                      ``recompute``
 advantage  ``advantages`` (with GAE: values, returns)      ``advantage`` (the critic)
 filter     ``skip_update``                                 ``filter``
 update     the policy's (and co-learners') new state       ``update``
-push       the engine's new weights, the previous push     ``push``
-           verified
+push       the engine's new weights (last push verified)   ``push``
 =========  ==============================================  =====================================
 
 Each stage is its own room (``jaxrl.trainer.stages.base`` states the contract): it imports no
