@@ -319,7 +319,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from jaxrl.rollout.sglang.server import DEVICES, DTYPES
+    from jaxrl.rollout.sglang.launch import DEVICES, DTYPES
 
     parser = argparse.ArgumentParser(prog="jaxrl align", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

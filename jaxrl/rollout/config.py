@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import jax
 
+from jaxrl.distributed.placement import PlacementConfig
 from jaxrl.rollout.base import LogprobKind, RolloutEngine, check_sampling_ranges
 from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig
 
@@ -111,15 +112,19 @@ class RolloutConfig:
             raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
 
 
-def make_engine(rollout: RolloutConfig, model, mesh: jax.sharding.Mesh, max_batch: int) -> tuple[RolloutEngine, Any]:
+def make_engine(rollout: RolloutConfig, model, mesh: jax.sharding.Mesh, max_batch: int,
+                placement: PlacementConfig | None = None) -> tuple[RolloutEngine, Any]:
     """(engine, server manager or None) for ``rollout.engine``. The embedded sampler reads
     ``model``'s arrays by reference and decodes up to ``max_batch`` sequences at once; SGLang
-    servers start from ``rollout.sglang.server.model_path``."""
+    servers start from ``rollout.sglang.server.model_path``, this process's own, on the devices
+    ``placement`` gives them."""
     if rollout.engine == "sglang":
         from jaxrl.rollout.sglang import ServerManager, SGLangEngine
 
         server = rollout.sglang.server
-        if jax.process_count() > 1:
+        if placement is not None:
+            server = server.placed(placement, jax.process_index())
+        elif jax.process_count() > 1:
             # Processes that share a host (one per GPU under SLURM) must not share ports: each
             # process starts its own servers, so process p takes the block after process p-1's.
             server = dataclasses.replace(server, base_port=server.base_port + jax.process_index() * server.num_servers)

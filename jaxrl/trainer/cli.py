@@ -1,4 +1,10 @@
-"""``jaxrl train CONFIG [key=value ...] [--resume | --overwrite]`` and the same for ``jaxrl sft``.
+"""``jaxrl train CONFIG [key=value ...] [--resume | --overwrite | --dry-run]`` and the same for ``jaxrl sft``.
+
+Start-up order: the config is loaded and checked first (nothing touches a device), then a
+``placement`` section restricts JAX to the learner's devices, then the processes join
+(``jaxrl.distributed``) and the mesh is checked against them. ``--dry-run`` stops after the
+config: it prints every host's plan (the learner's devices, each SGLang server's command line
+and GPUs) and starts nothing.
 
 Exit status: 0 done; 2 a bad config, file, folder or row (one line naming it), an earlier
 run in the way or another run holding ``output_dir``; 128 + N stopped by signal N (SIGTERM 143,
@@ -25,7 +31,7 @@ from jaxrl.errors import InputError
 def _parse(prog: str, argv: Sequence[str], what: str):
     from jaxrl import distributed
 
-    _, argv = distributed.initialize_from_argv(list(argv))
+    processes, argv = distributed.parse_args(list(argv))
     parser = argparse.ArgumentParser(
         prog=f"jaxrl {prog}", description=what,
         epilog="Overrides use the config's dotted keys, e.g. optimizer.lr=1e-5 rollout.group_size=16.")
@@ -36,24 +42,48 @@ def _parse(prog: str, argv: Sequence[str], what: str):
     start.add_argument("--overwrite", action="store_true",
                        help="delete an earlier run's metrics and checkpoints in output_dir / checkpoint.directory "
                             "and start afresh (without it, a fresh start over an earlier run is refused)")
+    start.add_argument("--dry-run", action="store_true",
+                       help="print every host's plan (learner devices, SGLang servers with their GPUs and command "
+                            "lines) and start nothing")
     if not argv:
         parser.print_help(sys.stderr)
         raise SystemExit(2)
-    return parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags anywhere among the overrides
+    args.processes = processes
+    return args
 
 
 def _load(args):
+    from jaxrl.config import load_config
+    from jaxrl.trainer.config import TrainConfig
+
+    return load_config(TrainConfig, args.config, args.overrides)
+
+
+def _join(config, processes):
+    """Restricts JAX to the learner's devices (a placement), joins the processes and checks the mesh;
+    returns the config this process runs (the others log into ``output_dir/process-<i>``)."""
     import dataclasses
     import os
 
     import jax
 
     from jaxrl import distributed
-    from jaxrl.config import load_config
-    from jaxrl.trainer.config import LoggingConfig, TrainConfig
+    from jaxrl.distributed import placement
+    from jaxrl.trainer.config import LoggingConfig
 
-    config = load_config(TrainConfig, args.config, args.overrides)
-    distributed.check_mesh(dataclasses.asdict(config.mesh))
+    if config.placement is not None:
+        ids = placement.restrict_learner_devices(config.placement, config.rollout.sglang.server.device == "cuda")
+        if ids is not None and processes.local_device_ids not in (None, ids):
+            raise InputError(f"--local-device-ids / {distributed.ENV_LOCAL_DEVICE_IDS}="
+                             f"{list(processes.local_device_ids)} contradicts placement.learner_devices={list(ids)}; "
+                             "give only the placement")
+        processes = dataclasses.replace(processes, local_device_ids=ids or processes.local_device_ids)
+    distributed.initialize(processes)
+    if config.placement is not None:
+        placement.learner_devices(config.placement, jax.process_count(), jax.devices())
+    else:
+        distributed.check_mesh(dataclasses.asdict(config.mesh))
     if not distributed.is_main_process():
         # Logs, TensorBoard and plots come from process 0; the others keep only their own JSONL.
         own_dir = os.path.join(config.output_dir, f"process-{jax.process_index()}")
@@ -91,7 +121,13 @@ def _main(prog: str, what: str, argv: Sequence[str], trainer_module: str, traine
     args = _parse(prog, argv, what)
     try:
         config = _load(args)
-    except (ConfigError, MeshMismatchError) as e:
+        if args.dry_run:
+            from jaxrl.trainer.plan import describe_plan
+
+            print(describe_plan(config))
+            return 0
+        config = _join(config, args.processes)
+    except (ConfigError, MeshMismatchError, InputError) as e:
         print(f"jaxrl {prog}: config error: {e}", file=sys.stderr)
         return 2
     # Imported after the config is valid: a config error is reported without loading JAX models.

@@ -15,6 +15,7 @@ from typing import Literal
 
 from jaxrl.config import FieldError
 from jaxrl.data.pipeline import DataConfig, check_mixture
+from jaxrl.distributed.placement import PlacementConfig
 from jaxrl.env.config import EnvConfig
 from jaxrl.evaluation.filter import FilterConfig
 from jaxrl.losses.advantages import AdvantageConfig
@@ -283,7 +284,9 @@ class TrainConfig:
     docs/training.md#the-rl-update-loop). ``env``: multi-turn rollouts with environments and tools
     (``jaxrl.trainer.stages.rollout.episodes``; None: one model turn per sample). ``critic`` is not
     None exactly when the run has a critic
-    (``advantage.estimator: gae``; the section's defaults when it is not given). ``filter``: the
+    (``advantage.estimator: gae``; the section's defaults when it is not given). ``placement``: each
+    host's devices for the learner and its SGLang servers (docs/multi-host.md#gpu-clusters; None: the
+    mesh takes the first devices, the servers see every GPU). ``filter``: the
     section of ``jaxrl filter`` only (docs/evaluation.md#the-pass-rate-filter). ``judges``: name ->
     the SGLang fleet of a judge model, which ``reward.tasks.<task>.judge.server`` names
     (docs/training.md#generative-verifier-rewards)."""
@@ -295,6 +298,7 @@ class TrainConfig:
     seed: int = 0
     hardware: str = ""
     mesh: MeshConfig = MeshConfig()
+    placement: PlacementConfig | None = None
     reward: RewardConfig = RewardConfig()
     judges: dict[str, JudgeServerConfig] = dataclasses.field(default_factory=dict)
     rollout: RolloutConfig = RolloutConfig()
@@ -342,6 +346,8 @@ class TrainConfig:
                 f"pass@k needs k <= G samples per prompt; lower advantage.passk_k or raise rollout.group_size")
         if self.env is not None:
             self._check_env_fits_model()
+        if self.placement is not None:
+            self._check_placement()
         if self.env is not None and self.rollout.max_staleness > 0:
             raise ValueError(f"env (multi-turn rollouts) runs with the synchronous loop for now; set "
                              f"rollout.max_staleness=0 (got {self.rollout.max_staleness})")
@@ -357,6 +363,18 @@ class TrainConfig:
                 f"rollout.prompts_per_step * rollout.group_size = {sequences} sequences per step must be "
                 f"divisible by update.mini_batches * update.micro_batches = {split}"
             )
+
+    def _check_placement(self) -> None:
+        """The layout must fit the mesh and leave the SGLang servers at least one device each."""
+        if self.rollout.engine != "sglang":
+            raise ValueError(f"placement lays out SGLang servers beside the learner, and rollout.engine="
+                             f"{self.rollout.engine!r}; set rollout.engine=sglang or remove the placement section")
+        self.placement.check_mesh(dataclasses.asdict(self.mesh))
+        if not self.placement.servers_per_host:
+            raise ValueError(f"placement gives every one of the {self.placement.devices_per_host} devices per host "
+                             f"to the learner (placement.learner_devices), which leaves none for SGLang servers; "
+                             f"give the learner fewer or set placement.colocate=true")
+        self.rollout.sglang.server.check_placeable("rollout.sglang.server")
 
     def _check_env_fits_model(self) -> None:
         """Refuses an env task whose ``limits.max_total_tokens`` (a whole conversation, and so the

@@ -6,8 +6,18 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jaxrl.models import Decoder, create_sharded_model, load_hf_checkpoint
+from jaxrl.distributed.placement import learner_devices
+from jaxrl.models import Decoder, create_sharded_model, load_hf_checkpoint, make_mesh
 from jaxrl.models.packing import shared_prefix_blocker
+
+
+def learner_mesh(config) -> jax.sharding.Mesh:
+    """The mesh of ``config.mesh`` over the learner's devices: with a ``placement``, each host's
+    learner devices in process order; without, the first devices."""
+    devices = None
+    if config.placement is not None:
+        devices = learner_devices(config.placement, jax.process_count(), jax.devices())
+    return make_mesh(config.mesh, devices)
 
 
 def build_model(policy, mesh: jax.sharding.Mesh) -> Decoder:

@@ -18,7 +18,6 @@ from jaxrl import distributed
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer, stop_token_ids
 from jaxrl.env import EnvRouter
 from jaxrl.evaluation import evaluate
-from jaxrl.models import make_mesh
 from jaxrl.rollout.base import RolloutEngine
 from jaxrl.rollout.config import make_engine
 from jaxrl.trainer.checkpoint import CheckpointMismatchError
@@ -27,6 +26,7 @@ from jaxrl.trainer.judges import build_reward_router, judge_cache_path
 from jaxrl.trainer.learner import Learner
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_loop
 from jaxrl.trainer.metrics import StageClock
+from jaxrl.trainer.model import learner_mesh
 from jaxrl.trainer.rejection_watch import RejectionWatch
 from jaxrl.trainer.stages import (Stage, StepContext, StepRecord, build_stages, frozen_policy_steps,
                                   objective_for_run, sampler_batch)
@@ -65,7 +65,7 @@ class RLTrainer:
         self.iterator = BatchIterator(self.examples, config.rollout.prompts_per_step, seed=data.seed,
                                       shuffle=data.shuffle, mixture=data.mixture, mixture_field=data.mixture_field)
         self.envs = EnvRouter(config.env, self.tokenizer) if config.env is not None else None
-        self.mesh = make_mesh(config.mesh)
+        self.mesh = learner_mesh(config)
         distributed.host_memory.keep_freed_memory(self.mesh)
         self.objective, why = objective_for_run(config, builds_engine=engine is None)
         log.info("old_logp: %s", why)
@@ -82,7 +82,8 @@ class RLTrainer:
         self.manager = None
         self._owns_engine = engine is None  # an engine handed in is the caller's to close
         if engine is None:
-            engine, self.manager = make_engine(config.rollout, self.model(), self.mesh, sampler_batch(config))
+            engine, self.manager = make_engine(config.rollout, self.model(), self.mesh, sampler_batch(config),
+                                               config.placement)
         self.engine = engine
         for stage in self.stages:
             stage.start(self.step)

@@ -22,10 +22,9 @@ from flax import nnx
 from jaxrl.data import BatchIterator, load_examples, load_tokenizer
 from jaxrl.distributed import host_memory
 from jaxrl.losses.aggregation import aggregate_loss
-from jaxrl.models import make_mesh
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
-from jaxrl.trainer.model import build_model
+from jaxrl.trainer.model import build_model, learner_mesh
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_loop
@@ -59,7 +58,7 @@ class SFTTrainer:
         lengths = np.asarray([len(e.prompt_ids) + len(e.response_ids) for e in self.examples])
         self.too_long = int((lengths > config.sft.stages[-1].max_length).sum())
         self.lengths = lengths
-        self.mesh = make_mesh(config.mesh)
+        self.mesh = learner_mesh(config)
         host_memory.keep_freed_memory(self.mesh)
         model = build_model(config.model, self.mesh)
         self.total_steps = sum(s.steps for s in config.sft.stages)

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from jaxrl.align.cli import main
-from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 
 ALIGN_TOL = 1e-5  # learner recompute vs SGLang in float32 (the rollout tests' bound)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15, 16]]

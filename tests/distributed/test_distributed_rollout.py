@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from jaxrl import distributed
-from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rollout_worker  # noqa: E402

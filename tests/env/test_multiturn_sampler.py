@@ -11,7 +11,7 @@ from jaxrl.models import Decoder, ModelConfig
 from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.rollout.base import SamplingParams
 from jaxrl.rollout.sampler import JaxSampler
-from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 
 from test_driver import CountingEnv
 

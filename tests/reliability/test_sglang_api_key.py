@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from jaxrl.rollout.sglang import ClientConfig, ExternalServers, SGLangClient, SGLangRequestError
-from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 
 pytestmark = [
     pytest.mark.sglang,

@@ -34,7 +34,7 @@ from jaxrl.reward.base import Outcome
 from jaxrl.reward.judge import render, score_reward, self_verification_reward, verifier_reward
 from jaxrl.rollout.sglang import ClientConfig, ServerConfig
 from jaxrl.rollout.sglang.judge import JudgeServerConfig, SGLangJudge
-from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 from jaxrl.rollout.sglang.testing import write_bigram_checkpoint
 from jaxrl.trainer.config import TrainConfig
 

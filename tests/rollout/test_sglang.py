@@ -22,7 +22,7 @@ from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.rollout.base import Conversation, LogprobKind, SamplingParams
 from jaxrl.rollout.sampler import JaxSampler
 from jaxrl.rollout.sglang import PushConfig, PushVerificationError, SGLangEngine
-from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 from jaxrl.rollout.sglang.testing import random_decoder
 
 pytestmark = [

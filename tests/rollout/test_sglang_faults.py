@@ -10,7 +10,7 @@ import pytest
 from jaxrl.models.scoring import sequence_logprobs
 from jaxrl.rollout.base import SamplingParams
 from jaxrl.rollout.sglang import PushConfig, SGLangEngine
-from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 from jaxrl.rollout.sglang.testing import random_decoder
 
 pytestmark = [

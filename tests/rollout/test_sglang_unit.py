@@ -98,7 +98,7 @@ def test_server_config_validation_names_the_field():
 
 def test_server_command_and_environment_follow_the_cpu_recipe():
     config = ServerConfig(model_path="/m", base_port=31000, num_servers=2, return_routed_experts=True,
-                          extra_args=("--mem-fraction-static", "0.5"))
+                          extra_args=("--chunked-prefill-size", "512"))
     assert config.urls == ("http://127.0.0.1:31000", "http://127.0.0.1:31001")
     argv = config.command(31001, "/m", "v3")
     for flag in ("--skip-tokenizer-init", "--enable-return-routed-experts", "--disable-cuda-graph",
@@ -106,13 +106,31 @@ def test_server_command_and_environment_follow_the_cpu_recipe():
         assert flag in argv
     assert argv[argv.index("--attention-backend") + 1] == "torch_native"
     assert argv[argv.index("--weight-version") + 1] == "v3"
-    assert argv[-2:] == ["--mem-fraction-static", "0.5"]
+    assert argv[-2:] == ["--chunked-prefill-size", "512"]
+    assert "--tp-size" not in argv and "--mem-fraction-static" not in argv  # SGLang's defaults unless set
     env = config.environment()
     assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1" and env["OMP_NUM_THREADS"] == "1"
     assert env["PYTHONPATH"].split(":")[0].endswith("scripts/sglang_cpu")
     processed = ServerConfig(model_path="/m", logprob_kind=LogprobKind.PROCESSED, device="cuda")
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in processed.environment()
     assert "--attention-backend" not in processed.command(30000, "/m", "default")
+
+
+def test_tensor_parallel_memory_and_gpus_are_fields_and_reach_each_server():
+    config = ServerConfig(model_path="/m", device="cuda", num_servers=2, tensor_parallel=2, mem_fraction_static=0.7,
+                          devices=((4, 5), (6, 7)))
+    argv = config.command(30000, "/m", "default")
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--mem-fraction-static") + 1] == "0.7"
+    assert config.environment(index=1, base={})["CUDA_VISIBLE_DEVICES"] == "6,7"
+    # A scheduler's CUDA_VISIBLE_DEVICES numbers the host's GPUs for this job: local id i is its i-th entry.
+    given = {"CUDA_VISIBLE_DEVICES": "8,9,10,11,12,13,14,15"}
+    assert config.environment(index=0, base=given)["CUDA_VISIBLE_DEVICES"] == "12,13"
+    for flag, field in (("--tp", "tensor_parallel"), ("--tp-size=2", "tensor_parallel"),
+                        ("--mem-fraction-static", "mem_fraction_static"), ("--base-gpu-id", "devices")):
+        with pytest.raises(ValueError, match=f"extra_args: {flag.split('=')[0]} is set by ServerConfig.{field}"):
+            ServerConfig(model_path="/m", extra_args=(flag,))
+    with pytest.raises(ValueError, match=r"ServerConfig.devices: .* expected num_servers=2 tuples of tensor_parallel=2"):
+        ServerConfig(model_path="/m", num_servers=2, tensor_parallel=2, devices=((4, 5),))
 
 
 def test_missing_model_path_names_the_path(tmp_path):
@@ -249,7 +267,8 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 
 FAKE_TRAINER = '''
 import os, signal, sys, time
-from jaxrl.rollout.sglang.server import ServerConfig, ServerManager
+from jaxrl.rollout.sglang.launch import ServerConfig
+from jaxrl.rollout.sglang.server import ServerManager
 model, port, fake_path, pids, logs, mode = sys.argv[1:]
 config = ServerConfig(model_path=model, base_port=int(port), num_servers=2, python=sys.executable,
                       env={"PYTHONPATH": fake_path, "FAKE_PIDS": pids}, log_dir=logs, startup_timeout_s=60)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxrl.models import make_mesh
 from jaxrl.rollout.sampler import JaxSampler
-from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 from jaxrl.trainer.stages import recompute as recompute_stage
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.model import build_model

@@ -8,7 +8,7 @@ spot check compares the server's logprobs of the next batch with the learner's r
 import numpy as np
 import pytest
 
-from jaxrl.rollout.sglang.server import CPU_VENV_PYTHON
+from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 
 pytestmark = [
     pytest.mark.sglang,

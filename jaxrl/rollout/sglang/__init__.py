@@ -2,7 +2,8 @@
 
 The trainer's environment talks to SGLang over HTTP only and never imports it.
 
-Modules: ``fleet`` (the ``Fleet`` protocol the engine talks to), ``server`` (fleets jaxrl
+Modules: ``fleet`` (the ``Fleet`` protocol the engine talks to), ``launch`` (one server's
+command line, environment and GPUs: ``ServerConfig``), ``server`` (fleets jaxrl
 starts: ``ServerManager``), ``external`` (fleets started elsewhere: ``ExternalServers``),
 ``client`` (HTTP), ``push`` (``WeightPusher``: export, load, verify, prune), ``engine``.
 """
@@ -23,7 +24,8 @@ with needs_extra("jaxrl.rollout.sglang"):
     from jaxrl.rollout.sglang.external import ExternalFleetConfig, ExternalServers
     from jaxrl.rollout.sglang.fleet import Fleet
     from jaxrl.rollout.sglang.push import PushConfig
-    from jaxrl.rollout.sglang.server import ServerConfig, ServerManager, ServerStartError
+    from jaxrl.rollout.sglang.launch import ServerConfig
+    from jaxrl.rollout.sglang.server import ServerManager, ServerStartError
 
 __all__ = [
     "ClientConfig", "Fleet", "PushConfig", "PushVerificationError", "SGLangClient", "SGLangEngine",

@@ -18,7 +18,8 @@ from jaxrl.reward.judge_batch import JudgeReply
 from jaxrl.rollout.base import SamplingParams, check_sampling_ranges
 from jaxrl.rollout.sglang.client import ClientConfig, SGLangClient, Settled, sampling_payload
 from jaxrl.rollout.sglang.external import ExternalServers
-from jaxrl.rollout.sglang.server import ServerConfig, ServerManager
+from jaxrl.rollout.sglang.launch import ServerConfig
+from jaxrl.rollout.sglang.server import ServerManager
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """Starts, watches, restarts and stops SGLang servers (one process group each).
 
-The servers run in their own interpreter (on CPU: ``.venv-sglang``, made by
-``scripts/setup_sglang_cpu.sh``; on GPUs: wherever ``pip install jaxrl[sglang]``
-put SGLang), so the trainer's process never imports SGLang; it talks HTTP.
+How each is launched (its command line, environment and GPUs) is ``ServerConfig``'s
+(launch.py); the trainer's process never imports SGLang, it talks HTTP.
 
 Nothing is left behind: ``processes.py`` kills every server's process group on
 ``stop()``, at exit, on SIGTERM/SIGHUP, and (through the kernel) when the trainer
@@ -28,24 +27,17 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
 import requests
 
 from jaxrl.errors import InputError
-from jaxrl.rollout.base import LogprobKind
-from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, is_loopback, redact, valid_key
-from jaxrl.rollout.sglang.fleet import ServedWeights
 from jaxrl.process_groups import kill_group, signal_group
-from jaxrl.rollout.sglang.processes import LAUNCH_API_KEY_ENV, LAUNCHER, forget_at_exit, stop_at_exit
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
-CPU_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
-CPU_STAND_IN_DIR = REPO_ROOT / "scripts" / "sglang_cpu"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("cpu", "cuda")
+from jaxrl.rollout.sglang.access import redact
+from jaxrl.rollout.sglang.fleet import ServedWeights
+from jaxrl.rollout.sglang.launch import INITIAL_WEIGHT_VERSION, ServerConfig
+from jaxrl.rollout.sglang.processes import forget_at_exit, stop_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -56,147 +48,6 @@ class ServerStartError(RuntimeError):
 
 class PortInUseError(ServerStartError, InputError):
     """A server's port is taken before it starts: the config's to change (exit 2 at the command line)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """How to launch a fleet of identical SGLang servers (data parallel).
-
-    model_path: HF checkpoint folder (config.json + safetensors) every server loads.
-    num_servers: servers to start; server i listens on ``base_port + i``.
-    host: bind address; 127.0.0.1 keeps the servers private to this machine. Any address
-      off loopback (not 127.0.0.0/8, ::1 or localhost) needs an API key: ``api_key``, else
-      the ``ServerManager`` makes a random one and logs a warning.
-    api_key: the key every request must carry (SGLang ``--api-key``, sent as
-      ``Authorization: Bearer KEY``); "" for none on loopback, a random one off it.
-      Read a generated one from ``ServerManager.api_key``. Never shown in reprs or logs.
-    device: "cpu" (the CPU recipe: stand-in sgl_kernel, torch-native kernels) or "cuda".
-    dtype: SGLang ``--dtype``; float32 makes logprobs match a float32 learner.
-    logprob_kind: what ``output_token_logprobs`` hold. RAW sets the server-wide
-      ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (raw ``log_softmax(logits)``);
-      PROCESSED leaves SGLang's default. Either way a PROCESSED request gets the
-      sampled-from distribution through ``return_sampling_mask`` (see client.py),
-      but a RAW request on a PROCESSED fleet is refused: those servers cannot give it.
-    return_routed_experts: start with ``--enable-return-routed-experts`` (MoE R3).
-    max_total_tokens: KV-cache size in tokens (``--max-total-tokens``); None: SGLang's choice.
-    python: interpreter that has SGLang; None: ``.venv-sglang`` on CPU, this one on GPUs.
-    extra_args: more ``launch_server`` flags, passed as given.
-    env: more environment variables for the servers, as (name, value) pairs.
-    startup_timeout_s: how long to wait for ``/health`` after a (re)start.
-    stop_timeout_s: how long SIGTERM may take before the group gets SIGKILL.
-    log_dir: one log file per server (``server-<i>-port-<port>.log``), appended across restarts.
-    omp_num_threads: OMP_NUM_THREADS for CPU servers (1: an idle scheduler spins otherwise).
-    """
-
-    model_path: str
-    num_servers: int = 1
-    host: str = "127.0.0.1"
-    api_key: str = dataclasses.field(default="", repr=False)
-    base_port: int = 30000
-    device: str = "cpu"
-    dtype: str = "float32"
-    logprob_kind: LogprobKind = LogprobKind.RAW
-    return_routed_experts: bool = False
-    max_total_tokens: int | None = 8192
-    python: str | None = None
-    extra_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    startup_timeout_s: float = 300.0
-    stop_timeout_s: float = 5.0
-    log_dir: str = "runs/sglang"
-    omp_num_threads: int = 1
-
-    def __post_init__(self):
-        def bad(field, got, expected):
-            raise ValueError(f"ServerConfig.{field}: got {got!r}, expected {expected}")
-
-        if not self.model_path:
-            bad("model_path", self.model_path, "a Hugging Face checkpoint folder")
-        if not isinstance(self.host, str) or not self.host.strip() or any(c.isspace() for c in self.host):
-            bad("host", self.host, "a bind address such as 127.0.0.1 (this machine only) or 0.0.0.0")
-        if not valid_key(self.api_key):
-            raise ValueError("ServerConfig.api_key: expected printable characters without spaces "
-                             "(a token such as secrets.token_urlsafe() makes), or \"\" for none")
-        if self.num_servers < 1:
-            bad("num_servers", self.num_servers, "at least 1")
-        if not 1024 <= self.base_port <= 65535 - self.num_servers:
-            bad("base_port", self.base_port, f"a port in [1024, {65535 - self.num_servers}]")
-        if self.device not in DEVICES:
-            bad("device", self.device, f"one of {DEVICES}")
-        if self.dtype not in DTYPES:
-            bad("dtype", self.dtype, f"one of {DTYPES}")
-        try:
-            object.__setattr__(self, "logprob_kind", LogprobKind(self.logprob_kind))
-        except ValueError:
-            bad("logprob_kind", self.logprob_kind, f"one of {[k.value for k in LogprobKind]}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            bad("max_total_tokens", self.max_total_tokens, "a positive token count or None")
-        if self.startup_timeout_s <= 0:
-            bad("startup_timeout_s", self.startup_timeout_s, "> 0 seconds")
-        if self.stop_timeout_s < 0:
-            bad("stop_timeout_s", self.stop_timeout_s, ">= 0 seconds")
-        if self.omp_num_threads < 1:
-            bad("omp_num_threads", self.omp_num_threads, "at least 1")
-        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
-        if any(a == "--api-key" or a.startswith("--api-key=") for a in self.extra_args):
-            raise ValueError("ServerConfig.extra_args: --api-key is set by ServerConfig.api_key (so that "
-                             "jaxrl's client sends it and no command line shows it); move it there")
-        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in dict(self.env).items()))
-
-    @property
-    def ports(self) -> tuple[int, ...]:
-        return tuple(self.base_port + i for i in range(self.num_servers))
-
-    @property
-    def urls(self) -> tuple[str, ...]:
-        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6 literal
-        return tuple(f"http://{host}:{port}" for port in self.ports)
-
-    @property
-    def on_loopback(self) -> bool:
-        """True when ``host`` is a loopback address (127.0.0.0/8, ::1, localhost): only this machine connects."""
-        return is_loopback(self.host)
-
-    @property
-    def python_executable(self) -> str:
-        return self.python or str(CPU_VENV_PYTHON if self.device == "cpu" else sys.executable)
-
-    def command(self, port: int, model_path: str, weight_version: str) -> list[str]:
-        """The server's argv (launched through ``processes.LAUNCHER``); token ids in and out, no tokenizer.
-        Holds no API key: the launcher adds ``--api-key`` from ``environment(api_key)``."""
-        args = [self.python_executable, "-c", LAUNCHER, "--model-path", model_path,
-                "--weight-version", weight_version, "--host", self.host, "--port", str(port),
-                "--dtype", self.dtype, "--device", self.device,
-                "--skip-tokenizer-init", "--skip-server-warmup"]
-        if self.device == "cpu":
-            args += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-                     "--disable-cuda-graph", "--sleep-on-idle"]
-        if self.max_total_tokens is not None:
-            args += ["--max-total-tokens", str(self.max_total_tokens)]
-        if self.return_routed_experts:
-            args += ["--enable-return-routed-experts"]
-        return args + list(self.extra_args)
-
-    def environment(self, api_key: str = "") -> dict[str, str]:
-        """The server's environment; with ``api_key`` the launcher starts SGLang with ``--api-key``."""
-        env = dict(os.environ)
-        if self.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-            env["OMP_NUM_THREADS"] = str(self.omp_num_threads)
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(CPU_STAND_IN_DIR), env.get("PYTHONPATH", "")) if p)
-        if self.logprob_kind == LogprobKind.RAW:
-            env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
-        else:
-            env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
-        env.update(self.env)
-        env["JAXRL_SGLANG_PARENT_PID"] = str(os.getpid())
-        env.pop(EXTERNAL_API_KEY_ENV, None)  # an external fleet's key is not these servers' business
-        if api_key:
-            env[LAUNCH_API_KEY_ENV] = api_key
-        else:
-            env.pop(LAUNCH_API_KEY_ENV, None)
-        return env
 
 
 @dataclasses.dataclass
@@ -230,7 +81,7 @@ class ServerManager(ServedWeights):
             for i, (port, url) in enumerate(zip(config.ports, config.urls, strict=True))
         ]
         self._model_path = config.model_path
-        self._weight_version = "default"
+        self._weight_version = INITIAL_WEIGHT_VERSION
         self._open()
 
     def _open(self) -> None:
@@ -383,7 +234,7 @@ class ServerManager(ServedWeights):
                              f"at {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n")
             server_log.flush()
             command = self.config.command(server.port, self._model_path, self._weight_version)
-            environment = self.config.environment(self._api_key)
+            environment = self.config.environment(self._api_key, server.index)
             server.process = self._spawner.submit(
                 subprocess.Popen, command, env=environment, stdin=subprocess.DEVNULL,
                 stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True,
