@@ -58,7 +58,7 @@ def build(spec: dict, workdir: str, model_path: str, staleness: int):
     data["rollout"].update(engine="sglang", max_staleness=staleness, sglang={
         "server": {"model_path": model_path, "base_port": free_port(),
                    "log_dir": os.path.join(workdir, f"logs-{staleness}"), "startup_timeout_s": 300},
-        "push": {"checkpoint_dir": os.path.join(workdir, f"pushed-{staleness}")}})
+        "push": {"method": "disk", "checkpoint_dir": os.path.join(workdir, f"pushed-{staleness}")}})
     return RLTrainer(from_dict(TrainConfig, data), overwrite=True)
 
 

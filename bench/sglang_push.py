@@ -67,7 +67,8 @@ def main() -> None:
         manager = ServerManager(ServerConfig(model_path=os.path.join(tmp, "initial"), base_port=args.port,
                                              max_total_tokens=2048, log_dir=os.path.join(tmp, "logs"))).start()
         print(f"server start-up: {time.perf_counter() - start:.1f} s")
-        engines = {"disk": SGLangEngine(manager, push=PushConfig(checkpoint_dir=os.path.join(tmp, "pushed"))),
+        disk = PushConfig(method="disk", checkpoint_dir=os.path.join(tmp, "pushed"))
+        engines = {"disk": SGLangEngine(manager, push=disk),
                    "tensor": SGLangEngine(manager, push=PushConfig(method="tensor", chunk_mib=args.chunk_mib)),
                    "whole": SGLangEngine(manager, push=PushConfig(method="tensor", chunk_mib=2.0**20))}
         print(f"{'push':>5} {'method':>7} {'export_s':>9} {'load_s':>8} {'verify_s':>9} {'total_s':>8} "

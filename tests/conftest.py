@@ -92,8 +92,8 @@ class SGLangFleet:
         from jaxrl.rollout.sglang import ClientConfig, PushConfig, SGLangEngine
 
         self.manager.start()
-        self.engine = SGLangEngine(self.manager, push=PushConfig(checkpoint_dir=str(self.tmp / "pushed")),
-                                   client=ClientConfig(max_tries=4, backoff_s=0.2))
+        push = PushConfig(method="disk", checkpoint_dir=str(self.tmp / "pushed"))
+        self.engine = SGLangEngine(self.manager, push=push, client=ClientConfig(max_tries=4, backoff_s=0.2))
         return self
 
     def close(self):

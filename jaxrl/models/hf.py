@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import ml_dtypes
@@ -336,16 +336,41 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     return tensors
 
 
-def hf_tensor_views(model: Decoder) -> dict[str, np.ndarray]:
-    """The tensors of :func:`hf_tensors` as host views of the parameters, nothing copied where the
-    parameters already live in host memory on one device (numpy views, mostly transposed, so not
-    contiguous). For a consumer that copies them anyway: the in-memory SGLang push copies each
-    view once, straight into its shared buffer, where :func:`hf_tensors` would first lay out a
-    contiguous copy. One JAX process only; the views are valid while the model's arrays live.
-    """
-    if jax.process_count() > 1:
-        raise ValueError("hf_tensor_views reads this process's parameters: use hf_tensors with several processes")
-    return {**dict(_saved_tensors(model, np.asarray)), **derived_tensors(model.config)}
+class TensorStream(NamedTuple):
+    """A checkpoint's tensors, announced before they are made: ``specs`` gives every name's shape
+    and dtype in order, ``arrays`` yields ``(name, host array)`` in that order, one at a time."""
+
+    specs: dict[str, tuple[tuple[int, ...], np.dtype]]
+    arrays: Iterator[tuple[str, np.ndarray]]
+
+    @classmethod
+    def of(cls, tensors: dict[str, np.ndarray]) -> "TensorStream":
+        return cls({k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in tensors.items()}, iter(tensors.items()))
+
+
+def hf_tensor_stream(model: Decoder) -> TensorStream:
+    """The tensors of :func:`hf_tensors` as host views of the parameters, each made when the stream
+    reaches it, for a consumer that copies each once (the in-memory SGLang push copies them straight
+    into its shared buffers): nothing is copied where a parameter already lives in this process's
+    host memory (numpy views, mostly transposed, so not contiguous), and with several JAX processes
+    each parameter is gathered from them all (:func:`jaxrl.distributed.to_host`: a collective over
+    the learner's mesh, so every process reads the stream to its end, in step). A view is valid
+    while the model's arrays live."""
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    maps = tensor_maps(model.config)
+    derived = derived_tensors(model.config)
+    specs = {}
+    for m in maps:
+        value = flat[m.path][...]
+        saved = jax.eval_shape(m.save, jax.ShapeDtypeStruct(value.shape, value.dtype))
+        specs.update((name, (tuple(s.shape), np.dtype(s.dtype))) for name, s in zip(m.hf_names, saved, strict=True))
+    specs.update((name, (tuple(v.shape), np.dtype(v.dtype))) for name, v in derived.items())
+
+    def arrays():
+        yield from _saved_tensors(model, distributed.to_host)
+        yield from derived.items()
+
+    return TensorStream(specs, arrays())
 
 
 def save_hf_checkpoint(model: Decoder, path: str) -> None:

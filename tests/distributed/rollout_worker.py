@@ -53,7 +53,7 @@ def run_sglang(out_dir: str, process: int, model_path: str, urls: list[str]) -> 
     from jaxrl.rollout.sglang import ClientConfig, ExternalFleetConfig, ExternalServers, PushConfig, SGLangEngine
 
     servers = ExternalServers([urls[process]], model_path, ExternalFleetConfig(return_routed_experts=True), api_key="")
-    engine = SGLangEngine(servers, push=PushConfig(checkpoint_dir=os.path.join(out_dir, "pushed")),
+    engine = SGLangEngine(servers, push=PushConfig(method="tensor"),  # each process loads its own server in memory
                           client=ClientConfig(max_tries=4, backoff_s=0.2))
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=3)

@@ -103,11 +103,11 @@ def test_unknown_and_missing_tensors_are_named(tmp_path):
                                              (qwen3_moe_config(), torch.bfloat16)],
                          ids=["qwen3-tied", "qwen3-moe-bf16"])
 def test_in_memory_push_hands_over_the_checkpoint_tensors(tmp_path, hf_config, dtype):
-    """The in-memory SGLang push copies host views of the parameters (``hf_tensor_views``, mostly
+    """The in-memory SGLang push copies host views of the parameters (``hf_tensor_stream``, mostly
     transposed) straight into its shared buffers and hands them over in chunks: what a server
     reads back from all chunks is transformers' own saved tensors, bit for bit, in either dtype,
     each once; every chunk but the last holds at least the chunk size, and only the last says so."""
-    from jaxrl.models.hf import hf_tensor_views
+    from jaxrl.models.hf import hf_tensor_stream
     from jaxrl.rollout.sglang.tensors import SharedTensors, read_payload
 
     chunk_bytes = 6000
@@ -127,8 +127,8 @@ def test_in_memory_push_hands_over_the_checkpoint_tensors(tmp_path, hf_config, d
         original.pop("lm_head.weight", None)  # we do not write the tied copy
     shared = SharedTensors()
     model = load_hf_checkpoint(str(tmp_path))
-    assert_same_tensors(handed(hf_tensor_views(model)), original)
+    assert_same_tensors(handed(hf_tensor_stream(model)), original)
     # The buffers are rewritten in place by the next push: another model's tensors replace these.
     random_model(hf_config, seed=5).to(dtype).save_pretrained(tmp_path / "other")
-    assert_same_tensors(handed(hf_tensor_views(load_hf_checkpoint(str(tmp_path / "other")))),
+    assert_same_tensors(handed(hf_tensor_stream(load_hf_checkpoint(str(tmp_path / "other")))),
                         {k: v for k, v in read_tensors(tmp_path / "other").items() if k in original})

@@ -470,12 +470,12 @@ def test_hybrid_in_memory_push_hands_over_the_checkpoint_tensors(family):
     MiniMax's recomputed decay tables to float32 rounding as in the round trip above."""
     from safetensors.numpy import load_file
 
-    from jaxrl.models.hf import hf_tensor_views
+    from jaxrl.models.hf import hf_tensor_stream
     from jaxrl.rollout.sglang.tensors import SharedTensors, read_payload
 
     _, _, folder, model = family
     original = load_file(str(folder / "model.safetensors"))
-    (payload, last), = SharedTensors().chunks(hf_tensor_views(model), chunk_bytes=2**40)  # one chunk
+    (payload, last), = SharedTensors().chunks(hf_tensor_stream(model), chunk_bytes=2**40)  # one chunk
     assert last
     handed = read_payload(payload)
     assert sorted(handed) == sorted(original)

@@ -178,7 +178,7 @@ def test_spot_check_catches_a_wrong_push(sglang_dense, tmp_path):
     from jaxrl.models import save_hf_checkpoint
 
     lying = SGLangEngine(sglang_dense.manager, export_fn=lambda params, path: save_hf_checkpoint(wrong, path),
-                         push=PushConfig(checkpoint_dir=str(tmp_path)))
+                         push=PushConfig(method="disk", checkpoint_dir=str(tmp_path)))
     with pytest.raises(PushVerificationError) as err:
         lying.update_weights(sglang_dense.model, "step-bad")
     message = str(err.value)

@@ -129,7 +129,7 @@ def test_tensor_parallel_memory_and_gpus_are_fields_and_reach_each_server():
                         ("--mem-fraction-static", "mem_fraction_static"), ("--base-gpu-id", "devices")):
         with pytest.raises(ValueError, match=f"extra_args: {flag.split('=')[0]} is set by ServerConfig.{field}"):
             ServerConfig(model_path="/m", extra_args=(flag,))
-    with pytest.raises(ValueError, match=r"ServerConfig.devices: .* expected num_servers=2 tuples of tensor_parallel=2"):
+    with pytest.raises(ValueError, match=r"ServerConfig.devices: .* num_servers=2 tuples of tensor_parallel=2"):
         ServerConfig(model_path="/m", num_servers=2, tensor_parallel=2, devices=((4, 5),))
 
 
@@ -187,7 +187,7 @@ def stub_engine(tmp_path_factory):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     config = ServerConfig(model_path=str(folder / "model"), base_port=server.server_address[1])
-    engine = SGLangEngine(ServerManager(config), push=PushConfig(checkpoint_dir=str(folder / "pushed")),
+    engine = SGLangEngine(ServerManager(config), push=PushConfig(method="disk", checkpoint_dir=str(folder / "pushed")),
                           client=ClientConfig(max_tries=1))
     yield engine, model
     engine.close()
@@ -243,7 +243,7 @@ def test_checkpoint_export_is_atomic(tmp_path, stub_engine):
         raise OSError("disk full")
 
     broken = SGLangEngine(engine.manager, export_fn=crashing_export,
-                          push=PushConfig(checkpoint_dir=str(tmp_path / "pushed")))
+                          push=PushConfig(method="disk", checkpoint_dir=str(tmp_path / "pushed")))
     with pytest.raises(OSError, match="disk full"):
         broken.update_weights(model, "v9")
     assert list((tmp_path / "pushed").iterdir()) == []

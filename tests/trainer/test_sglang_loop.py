@@ -53,7 +53,7 @@ def test_rl_steps_with_sglang_engine_synchronous_asynchronous_and_in_memory(tmp_
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = {"model_path": model_path, "base_port": port, "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 300}
-    push = {"checkpoint_dir": str(tmp_path / "pushed"), "probe_ids": [1, 5, 9, 3, 12]}
+    push = {"method": "disk", "checkpoint_dir": str(tmp_path / "pushed"), "probe_ids": [1, 5, 9, 3, 12]}
 
     # 1e-5 MiB = 10 bytes, below the smallest tensor (a norm of head_dim = 8 floats).
     in_memory_push = {**push, "method": "tensor", "checkpoint_dir": str(tmp_path / "never-written"),

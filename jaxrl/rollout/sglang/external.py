@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import urllib.parse
 
 import requests
 
 from jaxrl.errors import InputError
 from jaxrl.rollout.base import LogprobKind
-from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, auth_headers, valid_key
+from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, auth_headers, is_loopback, valid_key
 from jaxrl.rollout.sglang.fleet import ServedWeights
 
 
@@ -23,6 +24,7 @@ class ExternalFleetConfig:
 
     logprob_kind: LogprobKind = LogprobKind.RAW
     return_routed_experts: bool = False
+    tensor_parallel: int = 1
 
 
 class ExternalServers(ServedWeights):
@@ -86,6 +88,10 @@ class ExternalServers(ServedWeights):
     @property
     def num_servers(self) -> int:
         return len(self.urls)
+
+    @property
+    def on_this_host(self) -> bool:
+        return all(is_loopback(urllib.parse.urlsplit(url).hostname or "") for url in self.urls)
 
     def describe(self, index: int) -> str:
         return f"SGLang server {index} at {self.urls[index]} (started outside jaxrl)"

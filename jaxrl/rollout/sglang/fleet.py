@@ -23,6 +23,10 @@ class FleetConfig(Protocol):
     def return_routed_experts(self) -> bool:
         """Whether the servers report MoE routes, so that the engine asks for them."""
 
+    @property
+    def tensor_parallel(self) -> int:
+        """Ranks per server: an in-memory push hands each rank its own copy of the payload."""
+
 
 class Fleet(Protocol):
     """Data-parallel SGLang servers, addressed by index ``0 .. num_servers - 1``."""
@@ -51,6 +55,10 @@ class Fleet(Protocol):
     @property
     def weight_version(self) -> str:
         """The version the servers serve; the engine's starting version."""
+
+    @property
+    def on_this_host(self) -> bool:
+        """Whether every server runs on this process's host (it can read this host's shared memory)."""
 
     def describe(self, index: int) -> str:
         """One line naming server ``index`` for error messages."""

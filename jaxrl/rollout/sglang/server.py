@@ -138,6 +138,10 @@ class ServerManager(ServedWeights):
         return len(self._servers)
 
     @property
+    def on_this_host(self) -> bool:
+        return True  # started here, whatever address they listen on
+
+    @property
     def api_key(self) -> str:
         """The key every request must carry ("" for none): ``config.api_key`` or the generated one."""
         return self._api_key
