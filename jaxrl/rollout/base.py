@@ -204,15 +204,30 @@ class RolloutEngine(abc.ABC):
     ``holds_references``: True when ``update_weights`` keeps the learner's arrays themselves
     (the embedded sampler), so a caller that updates those arrays in place (a donating train
     step) while the engine still generates must hand it a copy.
+
+    With several JAX processes ``generate`` is a collective. An engine whose collective part is
+    only the final gathering of every process's samples (SGLang: each process asks its own
+    servers) says so with ``gathers_apart``: its :meth:`generate_share` then runs no collective
+    (a background thread may call it beside the learner's update) and :meth:`gather`, called
+    in the same order on every process, completes it.
     """
 
     holds_references: bool = False
+    gathers_apart: bool = False
 
     @abc.abstractmethod
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1
     ) -> list[list[Sample]]:
         """``n`` samples for each prompt: result[i][j] is sample j of prompt i."""
+
+    def generate_share(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> Any:
+        """This process's part of ``generate`` (the whole of it here); :meth:`gather` finishes it."""
+        return self.generate(prompts, params, n)
+
+    def gather(self, share: Any) -> list[list[Sample]]:
+        """``generate``'s result from :meth:`generate_share`'s."""
+        return share
 
     def continue_conversations(
         self, conversations: Sequence[Conversation], params: SamplingParams

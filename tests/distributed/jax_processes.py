@@ -49,20 +49,24 @@ class Processes:
     def __init__(self, tmp_path):
         self._tmp = tmp_path
         self._procs: list[tuple[subprocess.Popen, str]] = []
+        self._started = 0  # names each process's log
 
     def start(self, argv: list[str], env: dict[str, str]) -> None:
-        log = str(self._tmp / f"process-{len(self._procs)}.log")
+        log = str(self._tmp / f"process-{self._started}.log")
+        self._started += 1
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self._procs.append((proc, log))
 
-    def start_group(self, argv: list[str], count: int = 2, ids: tuple[int, ...] | None = None) -> None:
-        """``argv`` as processes ``ids`` (default all) of a group of ``count`` on 127.0.0.1, 4 CPU devices each."""
+    def start_group(self, argv: list[str], count: int = 2, ids: tuple[int, ...] | None = None,
+                    devices: int = 4) -> None:
+        """``argv`` as processes ``ids`` (default all) of a group of ``count`` on 127.0.0.1, ``devices`` CPU
+        devices each."""
         port = free_port()
         for process_id in range(count) if ids is None else ids:
             self.start([*argv, "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(count),
-                        "--process-id", str(process_id)], child_env(4))
+                        "--process-id", str(process_id)], child_env(devices))
 
     def start_workers(self, mode: str, out_dir, count: int = 2, extra: tuple[str, ...] = (),
                       ids: tuple[int, ...] | None = None) -> None:
@@ -81,6 +85,10 @@ class Processes:
                 pytest.fail(f"processes still running after {timeout_s} s; killed. Output:\n{outputs}")
             results.append(Finished(proc.returncode, open(log).read()))
         return results
+
+    def forget(self) -> None:
+        """Drops the finished processes, so the next ``wait_all`` waits for those started after."""
+        self._procs = [(proc, log) for proc, log in self._procs if proc.poll() is None]
 
     def kill_all(self) -> None:
         for proc, _ in self._procs:

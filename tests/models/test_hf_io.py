@@ -113,7 +113,7 @@ def test_in_memory_push_hands_over_the_checkpoint_tensors(tmp_path, hf_config, d
     chunk_bytes = 6000
 
     def handed(views):
-        chunks = [(read_payload(payload), last) for payload, last in shared.chunks(views, chunk_bytes)]
+        chunks = [(read_payload(shared.payload(names)), last) for names, last in shared.chunks(views, chunk_bytes)]
         assert [last for _, last in chunks] == [False] * (len(chunks) - 1) + [True]
         sizes = [sum(t.nbytes for t in tensors.values()) for tensors, _ in chunks]
         assert len(chunks) > 2 and min(sizes[:-1]) >= chunk_bytes, sizes

@@ -475,9 +475,10 @@ def test_hybrid_in_memory_push_hands_over_the_checkpoint_tensors(family):
 
     _, _, folder, model = family
     original = load_file(str(folder / "model.safetensors"))
-    (payload, last), = SharedTensors().chunks(hf_tensor_stream(model), chunk_bytes=2**40)  # one chunk
+    shared = SharedTensors()
+    (names, last), = shared.chunks(hf_tensor_stream(model), chunk_bytes=2**40)  # one chunk
     assert last
-    handed = read_payload(payload)
+    handed = read_payload(shared.payload(names))
     assert sorted(handed) == sorted(original)
     for key, want in original.items():
         assert handed[key].dtype == want.dtype and handed[key].shape == want.shape, key

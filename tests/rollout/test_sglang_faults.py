@@ -59,3 +59,35 @@ def test_a_server_killed_mid_tensor_push_gets_the_whole_push_again(sglang_dense,
         client.request = send
         engine.close()
         sglang_dense.engine.update_weights(original, "after-mid-push")  # the fleet's engine, its own version
+
+
+@pytest.mark.parametrize("method", ["tensor", "disk"])
+def test_a_server_killed_while_its_push_is_verified_comes_back_with_that_push(sglang_dense, tmp_path, method):
+    """Before: a server that died after loading a push and before answering its probe came back with
+    the weights of the push before (or the initial checkpoint), since the pusher recorded a push
+    only once verified; the probe's retry then read the old version and the push failed. Now a
+    push is kept for restarts as soon as every server has it: the restarted server is given it
+    (in memory again, or from its checkpoint) and the verification passes."""
+    manager, original = sglang_dense.manager, sglang_dense.model
+    engine = SGLangEngine(manager, push=PushConfig(method=method, checkpoint_dir=str(tmp_path / "pushed")))
+    client, probes = engine._client, []
+    send = client.request
+
+    def kill_at_the_probe(index, method, path, payload, what):
+        if what.startswith("scoring request"):
+            probes.append(path)
+            if len(probes) == 1:
+                manager.kill(0)
+        return send(index, method, path, payload, what)
+
+    client.request = kill_at_the_probe
+    pushed = random_decoder(original.config, seed=23)
+    restarts = manager.restarts(0)
+    try:
+        metrics = engine.update_weights(pushed, f"probe-kill-{method}")
+        assert manager.restarts(0) == restarts + 1 and len(probes) == 1
+        assert metrics["push/probe_max_abs_diff"] <= ALIGN_TOL
+    finally:
+        client.request = send
+        engine.close()
+        sglang_dense.engine.update_weights(original, f"after-probe-kill-{method}")  # the fleet's engine, its own

@@ -12,6 +12,9 @@ import os
 import http.server
 import json
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -531,3 +534,39 @@ def test_external_servers_take_the_key_from_the_environment_or_the_argument(keye
     with pytest.raises(ValueError, match=r"the API key from ExternalServers\(api_key=...\) is not the one") as err:
         ExternalServers([url], "/m", api_key="guess")
     assert "guess" not in str(err.value)
+
+
+def test_shared_buffers_whose_files_a_dead_server_took_are_released_without_aborting():
+    """Before: a server killed after it had loaded a push took the names of its shared files with it;
+    when the pusher later dropped those buffers (renewing them for the restarted server, or at
+    exit) torch failed to unlink the missing file and aborted the trainer (SIGABRT, "could not
+    unlink the shared memory file"). Here the files go as a dead server's would, in a child
+    process: it must survive the renewal and the release."""
+    script = textwrap.dedent("""
+        import contextlib
+        import os
+        import numpy as np
+        from jaxrl.models.hf import TensorStream
+        from jaxrl.rollout.sglang.tensors import SharedTensors, read_payload
+
+        def serve_then_die(shared, payloads):
+            for payload in payloads:  # the server opens each chunk's files, loads them, lets go
+                read_payload(payload)
+            for buffer in shared._buffers.values():  # then dies, and the names of its files go
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink("/dev/shm" + buffer.untyped_storage()._share_filename_cpu_()[1].decode())
+
+        shared = SharedTensors()
+        tensors = {"a": np.ones((4, 4), np.float32), "b": np.arange(3, dtype=np.float32)}
+        payloads = [shared.payload(names) for names, _ in shared.chunks(TensorStream.of(tensors), chunk_bytes=1)]
+        serve_then_die(shared, payloads)
+        serve_then_die(shared, [shared.payload(shared.renew())])  # the restarted server is given the push again
+        smaller = TensorStream.of({"a": np.ones((2, 2), np.float32)})  # a new shape: a's buffer is replaced
+        serve_then_die(shared, [shared.payload(names) for names, _ in shared.chunks(smaller, chunk_bytes=1)])
+        shared.close()
+        print("released", len(payloads))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "released 2"

@@ -28,7 +28,7 @@ def test_background_generation_at_staleness_0_equals_the_synchronous_loop(files,
         # Rebuild the queue with a worker (what max_staleness >= 1 uses), before anything was drawn.
         trainer.stage("rollout").queue.close()
         trainer.iterator.restore(trainer.stage("rollout").queue.state(0)["data"])
-        trainer.stage("rollout").queue = RolloutQueue(trainer.iterator, trainer.stage("rollout").generate, 0,
+        trainer.stage("rollout").queue = RolloutQueue(trainer.iterator, trainer.stage("rollout").generate_pending, 0,
                                                      background=True)
         trainer.engine.update_weights(trainer.stage("push").engine_weights(), version="0")
         assert trainer.stage("push").copies_weights()

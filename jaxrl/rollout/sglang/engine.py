@@ -9,8 +9,9 @@ adds to, its prompt's samples.
 With several JAX processes (jaxrl.distributed) every process calls ``generate``
 with the same prompts; process p sends only its contiguous share
 (``distributed.process_share``) to its own servers, and the samples are
-all-gathered so every process returns the same full list in prompt order.
-``update_weights`` is then a collective too (see push.py).
+all-gathered so every process returns the same full list in prompt order. The two
+halves are ``generate_share`` (HTTP only: a background thread may run it beside the
+update) and ``gather`` (the collective). ``update_weights`` is a collective too (push.py).
 
 Weight push: ``update_weights`` hands the learner's parameters to ``WeightPusher``
 (push.py), which exports (a checkpoint, or shared-memory tensors with ``PushConfig.method:
@@ -21,6 +22,7 @@ restarts it from the last pushed checkpoint itself).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Sequence
@@ -36,6 +38,16 @@ from jaxrl.rollout.sglang.push import (ExportFn, PushConfig, RecomputeFn, Tensor
                                        recompute_decoder, tensors_decoder)
 
 
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """One process's part of a ``generate`` call: all its prompts, and the samples of its share."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    samples: list[list[Sample]]
+
+
 class SGLangEngine(RolloutEngine):
     """Rollouts on the servers of a ``Fleet``: a started ``ServerManager`` or ``ExternalServers``.
 
@@ -44,6 +56,8 @@ class SGLangEngine(RolloutEngine):
       (used by ``update_weights`` only, through ``WeightPusher``). The defaults take a
       ``jaxrl.models.Decoder`` as ``params``.
     """
+
+    gathers_apart = True  # each process asks its own servers; only the gathering is collective
 
     def __init__(
         self,
@@ -85,6 +99,10 @@ class SGLangEngine(RolloutEngine):
         Sample.prompt_routed_experts: [len(prompt) - 1, num_layers, top_k], the rest
         of SGLang's routes (prompt positions 0 .. len(prompt) - 2).
         """
+        return self.gather(self.generate_share(prompts, params, n))
+
+    def generate_share(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1) -> Share:
+        """This process's share of ``generate`` from its own servers: HTTP only, no collective."""
         self._check_kind(params)
         if n < 1:
             raise ValueError(f"SGLangEngine.generate: n must be >= 1, got {n}")
@@ -102,7 +120,11 @@ class SGLangEngine(RolloutEngine):
         local = [parse_samples(r, prompts[i], params, n, self._moe_top_k,
                                f"{self.manager.describe(k % num_servers)}, {names[i]}")
                  for k, (i, r) in enumerate(zip(mine, responses, strict=True))]
-        return self._gather(local, prompts, params, n)
+        return Share(prompts, params, n, local)
+
+    def gather(self, share: Share) -> list[list[Sample]]:
+        """Every process's share, on every process, in prompt order (a collective with several)."""
+        return self._gather(share.samples, share.prompts, share.params, share.n)
 
     def update_weights(self, params, version: str) -> dict[str, float]:
         """Pushes ``params`` to every server as ``version`` and verifies it; returns the timing
@@ -131,6 +153,7 @@ class SGLangEngine(RolloutEngine):
 
     def close(self) -> None:
         self._client.close()
+        self._pusher.close()
 
     # ----- scoring ---------------------------------------------------------
     def score(self, token_ids: Sequence[int], server: int = 0) -> np.ndarray:

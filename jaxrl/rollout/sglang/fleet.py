@@ -68,7 +68,7 @@ class Fleet(Protocol):
         True when it did."""
 
     def record_weights(self, model_path: str, weight_version: str) -> None:
-        """Remembers a verified push, so that a restarted server comes back with those weights."""
+        """Remembers a push every server loaded, so that a restarted server comes back with those weights."""
 
 
 class ServedWeights:

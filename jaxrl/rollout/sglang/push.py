@@ -94,7 +94,7 @@ class PushConfig:
 
 class WeightPusher:
     """Pushes the learner's parameters to every server of ``fleet`` (through ``client``) and
-    verifies the push took effect before the fleet is told to keep those weights.
+    verifies the push took effect.
 
     export_fn / recompute_fn / tensors_fn: how to write the learner's parameters as an HF
       checkpoint (method disk), how the learner scores a sequence, and the checkpoint's tensors
@@ -140,9 +140,12 @@ class WeightPusher:
         }
 
     def reload(self, index: int) -> None:
-        """After server ``index`` restarted: gives it the last verified push where the fleet's own
+        """After server ``index`` restarted: gives it the last push every server loaded where the fleet's own
         restart (from the last recorded checkpoint) does not."""
         self._transport.reload(index)
+
+    def close(self) -> None:
+        self._transport.close()
 
     def _call_everywhere(self, call: Callable[[int], Any]) -> list[Any]:
         """``call(i)`` for every server at once (each its own HTTP calls); their results in server

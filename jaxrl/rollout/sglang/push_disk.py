@@ -3,7 +3,8 @@
 The learner's parameters are exported into a temporary folder and renamed into place (a crash
 never leaves a half-written checkpoint a server could load), then every server loads it with
 ``/update_weights_from_disk`` and the new ``weight_version``. Once the push is verified the fleet
-records it, so a server that restarts comes back with it, and all but the newest
+records it once every server has loaded it, so a server that restarts from then on (during the
+push's verification too) comes back with it; once verified, all but the newest
 ``keep_checkpoints`` folders are deleted. With several JAX processes the export is written once
 (process 0) into ``checkpoint_dir``, which every host must see (a shared file system), and each
 process loads it on its own servers. Only where a user asks for it: the in-memory push
@@ -116,15 +117,20 @@ class DiskPush:
                 raise PushVerificationError(
                     f"{self.fleet.describe(i)}: {name} failed: {result.get('message')!r}; check "
                     "that the checkpoint has the served architecture and parameter names")
+        # Every server loaded it: one that dies from here on, during the push's own verification
+        # included, comes back with it.
+        self.fleet.record_weights(str(self._path), version)
         return exported, {}
 
     def verified(self, version: str) -> None:
-        """A restarted server now comes back with this checkpoint; older ones go."""
-        self.fleet.record_weights(str(self._path), version)
+        """The older checkpoints go (never the one a restarted server reloads)."""
         self._checkpoints.prune(newest=self._path)
 
     def reload(self, index: int) -> None:
         """Nothing to do: the fleet restarts a server from the last recorded checkpoint."""
+
+    def close(self) -> None:
+        """Nothing held: the pushed folders stay for the next run's servers."""
 
 
 def _check_exported(folder: pathlib.Path) -> None:

@@ -46,7 +46,7 @@ class MemoryPush:
         self._tensors_fn = tensors_fn
         self._shared = SharedTensors()
         self._ranks = fleet.config.tensor_parallel  # one payload per tensor-parallel rank
-        self._last_version: str | None = None  # the version in the buffers, for restarts
+        self._last_version: str | None = None  # the version every server was given whole, for restarts
         self._restarted_in_push: set[int] | None = None  # servers that restarted during a push
         self._reload_lock = threading.Lock()
         self._reloading = threading.local()  # set while this thread reloads a restarted server
@@ -61,7 +61,7 @@ class MemoryPush:
         run, leaving a server with some new tensors under its old version; the next push replaces
         them all."""
         self._last_version = None  # the buffers are about to hold weights no server has verified
-        channels = [queue.SimpleQueue() for _ in range(self.fleet.num_servers)]
+        channels = [queue.SimpleQueue() for _ in range(self.fleet.num_servers)]  # each server's chunks
         chunks, failed = 0, {}
         self._restarted_in_push = set()
         try:
@@ -73,7 +73,7 @@ class MemoryPush:
                     for chunk in self._shared.chunks(stream, self._chunk_bytes):
                         chunks += 1
                         for channel in channels:
-                            channel.put(chunk)
+                            channel.put(chunk)  # names: each server's load makes its own payloads
                 finally:
                     for channel in channels:
                         channel.put(None)
@@ -89,11 +89,13 @@ class MemoryPush:
                 self._load(i, [(self._shared.renew(), True)], version)
         finally:
             self._restarted_in_push = None
+        # Every server holds this version now: one that dies from here on, during the push's own
+        # verification included, is given it again (``reload``).
+        self._last_version = version
         return copied, {"push/chunks": chunks, "push/bytes": self._shared.nbytes}
 
     def verified(self, version: str) -> None:
-        """The buffers hold verified weights: a restarted server is given them (``reload``)."""
-        self._last_version = version
+        """Nothing more to keep: the buffers are the record (``send``)."""
 
     def reload(self, index: int) -> None:
         """After server ``index`` restarted: it came back with the last checkpoint on disk, so it is
@@ -118,16 +120,20 @@ class MemoryPush:
             raise PushVerificationError(f"{self.fleet.describe(index)} restarted and was given the tensors of version "
                                         f"{version!r} again, but reports {info.get('weight_version')!r}")
 
-    def _load(self, index: int, chunks: Iterable[tuple[str, bool]], version: str) -> None:
-        """One server's ``/update_weights_from_tensor`` of each ``(payload, is_last)`` chunk inside
+    def close(self) -> None:
+        self._shared.close()
+
+    def _load(self, index: int, chunks: Iterable[tuple[list[str], bool]], version: str) -> None:
+        """One server's ``/update_weights_from_tensor`` of each ``(names, is_last)`` chunk inside
         the weight-update session SGLang requires (``/begin_weight_update`` .. ``/end_weight_update``,
-        closed even on failure); the last chunk sets ``version`` and flushes the server's cache."""
+        closed even on failure), a payload of its own for each of its tensor-parallel ranks
+        (``SharedTensors.payload``); the last chunk sets ``version`` and flushes the server's cache."""
         name = f"in-memory weight push of version {version!r}"
         self._client.request(index, "POST", "/begin_weight_update", {}, name)
         try:
-            for payload, last in chunks:
+            for names, last in chunks:
                 result = self._client.request(index, "POST", "/update_weights_from_tensor", {
-                    "serialized_named_tensors": [payload] * self._ranks,
+                    "serialized_named_tensors": [self._shared.payload(names) for _ in range(self._ranks)],
                     "weight_version": version if last else None, "flush_cache": last}, name)
                 if not result.get("success", False):
                     raise PushVerificationError(

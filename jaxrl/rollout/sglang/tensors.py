@@ -15,7 +15,9 @@ server on the same host.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import os
 import warnings
 from typing import Iterator
 
@@ -28,8 +30,12 @@ class SharedTensors:
     """Shared-memory tensors, one per name, rewritten in place at every push.
 
     ``chunks(tensors, chunk_bytes)`` copies each host array of a ``TensorStream`` (contiguous or a
-    strided view) into its buffer and yields a payload string per chunk of consecutive tensors, each as soon as its
-    tensors are in place. Reusing the buffers matters for speed: fresh shared memory costs
+    strided view) into its buffer and yields the names of each chunk of consecutive tensors as soon
+    as they are in place; ``payload(names)`` is what one receiver is given for them. Each payload
+    may be opened once: torch counts a reference per pickle, which the receiver's unpickling
+    takes, so one payload read by two servers (or by two tensor-parallel ranks) would drop a count
+    that is not theirs, and the last of them to let go would delete the files this side still
+    uses (the next push then fails to open them). Reusing the buffers matters for speed: fresh shared memory costs
     a page fault per page on first write (measured: about 0.4 s for 377 MiB here, against under
     0.1 s to rewrite warm buffers). The server copies the data into its parameters while it
     answers the request, so the buffers may be rewritten for the next push once it has answered;
@@ -37,24 +43,20 @@ class SharedTensors:
 
     A server that exits takes the names of the files it opened with it (torch's shared-memory
     manager of that process unlinks them), though the data stays mapped here: after a restart
-    :meth:`renew` moves the data into new files and gives the payload that names them.
+    :meth:`renew` moves the data into new files.
     """
 
     def __init__(self):
         self._buffers: dict[str, object] = {}  # name -> shared torch tensor
         self._dtypes: dict[str, np.dtype] = {}  # name -> the host arrays' dtype
 
-    def chunks(self, tensors: TensorStream, chunk_bytes: int) -> Iterator[tuple[str, bool]]:
-        """``(payload, is_last)`` per chunk: each chunk takes the tensors in order until it holds at
+    def chunks(self, tensors: TensorStream, chunk_bytes: int) -> Iterator[tuple[list[str], bool]]:
+        """``(names, is_last)`` per chunk: each chunk takes the tensors in order until it holds at
         least ``chunk_bytes``. Every buffer is made from ``tensors.specs`` before the first array is
         read, so a failure to allocate one leaves no server half-updated; each array is read from
         ``tensors.arrays`` when its chunk is copied (with several JAX processes, gathered then)."""
         torch = _torch()
-        for name, (shape, dtype) in tensors.specs.items():
-            buffer = self._buffers.get(name)
-            if buffer is None or tuple(buffer.shape) != shape or self._dtypes[name] != dtype:
-                self._buffers[name] = _shared_tensor(torch, shape, dtype)
-                self._dtypes[name] = dtype
+        _release(self._allocate(torch, tensors.specs))
         groups = _consecutive_groups(tensors.specs, chunk_bytes)
         arrays = iter(tensors.arrays)
         for i, names in enumerate(groups):
@@ -64,28 +66,65 @@ class SharedTensors:
                     raise ValueError(f"the tensor stream announced {want!r} {tuple(self._buffers[want].shape)} "
                                      f"but gave {name!r} {tuple(array.shape)}")
                 _copy_into(torch, self._buffers[name], array)
-            yield self._pickled(names), i == len(groups) - 1
+            yield names, i == len(groups) - 1
+
+    def close(self) -> None:
+        """Releases the buffers."""
+        _release(self._buffers)
 
     @property
     def nbytes(self) -> int:
         """Bytes in the buffers: what one push hands each server."""
         return sum(buffer.untyped_storage().nbytes() for buffer in self._buffers.values())
 
-    def renew(self) -> str:
-        """The same data in new shared-memory files; returns their payload."""
+    def renew(self) -> list[str]:
+        """The same data in new shared-memory files; returns every name (for :meth:`payload`)."""
         torch = _torch()
-        for name, old in self._buffers.items():
-            self._buffers[name] = _shared_tensor(torch, tuple(old.shape), self._dtypes[name])
-            self._buffers[name].copy_(old)
-        return self._pickled(list(self._buffers))
+        old, self._buffers = self._buffers, {}
+        for name in old:
+            self._buffers[name] = _shared_tensor(torch, tuple(old[name].shape), self._dtypes[name])
+            self._buffers[name].copy_(old[name])
+        _release(old)
+        return list(self._buffers)
 
-    def _pickled(self, names: list[str]) -> str:
+    def _allocate(self, torch, specs) -> dict:
+        """Makes a buffer for every name of ``specs`` that has none of its shape and dtype; returns
+        the buffers replaced (no other reference to them is left here, for ``_release``)."""
+        replaced = {}
+        for name, (shape, dtype) in specs.items():
+            if name not in self._buffers or tuple(self._buffers[name].shape) != shape or self._dtypes[name] != dtype:
+                if name in self._buffers:
+                    replaced[name] = self._buffers.pop(name)
+                self._buffers[name] = _shared_tensor(torch, shape, dtype)
+                self._dtypes[name] = dtype
+        return replaced
+
+    def payload(self, names: list[str]) -> str:
+        """One receiver's handle on these tensors (names and shapes of their shared files, base64):
+        give each server, and each tensor-parallel rank, its own (class doc)."""
         from multiprocessing.reduction import ForkingPickler
 
         stream = io.BytesIO()
         # torch.multiprocessing registered ForkingPickler's tensor reducers when imported.
         ForkingPickler(stream).dump([(name, self._buffers[name]) for name in names])
         return base64.b64encode(stream.getvalue()).decode()
+
+
+def _release(buffers: dict) -> None:
+    """Drops ``buffers`` (emptying the dict, which must hold the last references: a name left bound
+    to one keeps it alive past the stand-in's removal below). A server that died
+    took the names of the files it had opened with it (class doc), and torch unlinks a file by name
+    when its last reference here goes: finding none, it aborts the whole process (a C++ exception in
+    a destructor). So a file whose name is gone gets an empty stand-in under it first, which
+    torch's unlink removes, or, where a reference elsewhere keeps the buffer alive, this does."""
+    files = ["/dev/shm" + b.untyped_storage()._share_filename_cpu_()[1].decode() for b in buffers.values()]
+    stand_ins = [path for path in files if not os.path.exists(path)]
+    for path in stand_ins:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    buffers.clear()
+    for path in stand_ins:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _consecutive_groups(specs: dict[str, tuple[tuple[int, ...], np.dtype]], chunk_bytes: int) -> list[list[str]]:

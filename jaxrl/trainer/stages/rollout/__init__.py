@@ -23,6 +23,7 @@ and ``time/generation`` (the engine's time on the batch, in the background or no
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import numpy as np
@@ -48,11 +49,15 @@ class RolloutStage(Stage):
                 prompts=r.prompts_per_step, groups=r.partial_groups or 2 * r.prompts_per_step,
                 group_size=r.group_size, partial_tokens=r.partial_tokens, max_new_tokens=r.max_new_tokens)
         else:
-            self.queue = RolloutQueue(context.iterator, self.generate, r.max_staleness)
-        if self.queue.background and jax.process_count() > 1:
-            raise ValueError(f"rollout.max_staleness={r.max_staleness} runs with one JAX process only (this run has "
-                             f"{jax.process_count()}): the engine's collectives would run in a second thread beside "
-                             "the update's; set rollout.max_staleness=0")
+            self.queue = RolloutQueue(context.iterator, self.generate_pending, r.max_staleness)
+
+    def start(self, step: int) -> None:
+        engine = self.context.engine
+        if self.queue.background and jax.process_count() > 1 and not engine.gathers_apart:
+            raise ValueError(f"rollout.max_staleness={self.context.config.rollout.max_staleness} with several JAX "
+                             f"processes needs an engine whose generation is no collective until its samples are "
+                             f"gathered (rollout.engine=sglang): the {type(engine).__name__}'s would run in a second "
+                             "thread beside the update's; set rollout.max_staleness=0")
 
     def __call__(self, record: StepRecord, step: int) -> tuple[StepRecord, dict[str, float]]:
         batch = self.queue.take(step)
@@ -65,23 +70,31 @@ class RolloutStage(Stage):
     def sampling(self, seed: int, temperature: float | None = None) -> SamplingParams:
         return sampling_params(self.context.config.rollout, self.context.stop_token_ids, seed, temperature)
 
-    def rollout(self, examples, seed: int, n: int, temperature: float | None = None):
-        """``n`` samples [prompt][n] of each example with the engine's current weights."""
+    def rollout(self, examples, seed: int, n: int, temperature: float | None = None) -> Callable[[], list]:
+        """``n`` samples [prompt][n] of each example with the engine's current weights, pending: this
+        process's share is drawn now (no collective), the returned call gathers every process's."""
         c = self.context
-        if c.envs is not None:  # conversations with the rows' environments (config section env)
-            return generate_conversations(c.engine, c.envs, examples, self.sampling(seed, temperature), n)
-        return c.engine.generate([e.prompt_ids.tolist() for e in examples], self.sampling(seed, temperature), n=n)
+        if c.envs is not None:  # conversations with the rows' environments (config section env), drawn whole
+            played = generate_conversations(c.engine, c.envs, examples, self.sampling(seed, temperature), n)
+            return lambda: played
+        share = c.engine.generate_share([e.prompt_ids.tolist() for e in examples], self.sampling(seed, temperature),
+                                        n=n)
+        return lambda: c.engine.gather(share)
 
-    def generate(self, examples, index: int, draw: int = 0):
-        """Batch ``index``'s samples (and ReMax's greedy baseline responses); run by the queue,
-        in its worker thread when it has one. ``draw`` > 0: dynamic sampling's extra draw of the
-        step, with its own seed."""
+    def generate_pending(self, examples, index: int, draw: int = 0) -> Callable[[], tuple[list, list | None]]:
+        """Batch ``index``'s samples (and ReMax's greedy baseline responses), pending as in
+        :meth:`rollout`; the queue draws them in its worker thread when it has one and gathers them
+        in the trainer's. ``draw`` > 0: dynamic sampling's extra draw of the step, with its own seed."""
         config = self.context.config
         seed = sampling_seed(config.seed, index, draw)
         samples = self.rollout(examples, seed=seed, n=config.rollout.group_size)
         greedy = self.rollout(examples, seed=seed, n=1, temperature=0.0) if config.advantage.needs_greedy_baseline \
             else None
-        return samples, greedy
+        return lambda: (samples(), None if greedy is None else greedy())
+
+    def generate(self, examples, index: int, draw: int = 0) -> tuple[list, list | None]:
+        """:meth:`generate_pending`, gathered at once."""
+        return self.generate_pending(examples, index, draw)()
 
     def draw(self, step: int, draw: int) -> StepRecord:
         """Dynamic sampling's ``draw``-th extra draw of ``step``: new prompts, the same weights."""

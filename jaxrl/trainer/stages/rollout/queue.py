@@ -33,8 +33,10 @@ import numpy as np
 
 from jaxrl.trainer.stages.rollout.records import decode_groups, encode_groups
 
-# (examples, batch index) -> (samples [prompt][sample], greedy samples [prompt][1] or None)
-GenerateFn = Callable[[list, int], tuple[list, list | None]]
+# (examples, batch index) -> a call that returns (samples [prompt][sample], greedy samples [prompt][1] or
+# None): this process's share is drawn before it returns, and the call gathers every process's (a
+# collective with several JAX processes, so the queue makes it in the trainer's thread, in batch order).
+GenerateFn = Callable[[list, int], Callable[[], tuple[list, list | None]]]
 
 
 @dataclasses.dataclass
@@ -50,6 +52,7 @@ class RolloutBatch:
     greedy: list | None = None
     generate_seconds: float = 0.0
     future: concurrent.futures.Future | None = None
+    pending: Callable[[], tuple[list, list | None]] | None = None  # drawn, not yet gathered
     metrics: dict = dataclasses.field(default_factory=dict)  # the queue's own rollout/* metrics
 
 
@@ -57,7 +60,8 @@ class RolloutQueue:
     """Batches in flight between the data iterator and the learner (see the module doc).
 
     iterator: the run's prompt iterator (``state()``/``restore()``, drawn only from the
-    trainer's thread); generate: makes one batch's samples with the engine's current weights;
+    trainer's thread); generate: draws one batch's samples with the engine's current weights
+    (``GenerateFn``);
     background: generate in a worker thread (default: when ``max_staleness > 0``; a test can run
     the worker at s = 0).
     """
@@ -129,17 +133,21 @@ class RolloutQueue:
 
     def _generate(self, batch: RolloutBatch) -> None:
         start = time.perf_counter()
-        batch.samples, batch.greedy = self.generate(batch.examples, batch.index)
+        batch.pending = self.generate(batch.examples, batch.index)
         batch.generate_seconds = time.perf_counter() - start
 
     def _finish(self, batch: RolloutBatch) -> RolloutBatch:
-        """The batch with its samples: generated here (no worker) or waited for (re-raising the
-        worker's error, e.g. a server that failed for good)."""
+        """The batch with its samples: drawn here (no worker) or waited for (re-raising the
+        worker's error, e.g. a server that failed for good), then gathered in this thread."""
         if batch.samples is None:
             if batch.future is None:
                 self._generate(batch)
             else:
                 batch.future.result()
+            start = time.perf_counter()
+            batch.samples, batch.greedy = batch.pending()
+            batch.pending = None
+            batch.generate_seconds += time.perf_counter() - start
         return batch
 
 
