@@ -14,9 +14,10 @@ as ``placement`` lays out a cluster. The learner is a random ~100M-parameter Qwe
   (``jaxrl.models.hf.hf_tensor_stream``; gloo here, NCCL on GPUs), copies them into its shared
   buffers and hands them to its own server (``/update_weights_from_tensor``); no file.
 
-Both then verify (version and probe). Prints each push's phases per process, the bytes each
-host's server received and seconds per GB per host, the median ratio disk / tensor over the
-rounds (the first round warms up and is not counted), and
+Both then verify (version and probe). Each round also times the gather alone (what both pushes
+begin with). Prints each push's phases per process, the bytes each host's server received and
+seconds per GB per host, the median ratio disk / tensor over the rounds (the first round warms
+up and is not counted), and
 
     TARGET host_push_vs_disk: <ratio>x faster in memory (goal >= 2x) met|missed
 
@@ -84,6 +85,7 @@ def worker(args) -> None:
     from flax import nnx
 
     from jaxrl.models import Decoder, MeshConfig, ModelConfig, create_sharded_model, make_mesh, save_hf_checkpoint
+    from jaxrl.models.hf import hf_tensor_stream
     from jaxrl.rollout.sglang import PushConfig, SGLangEngine, ServerConfig, ServerManager
 
     config = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
@@ -92,7 +94,8 @@ def worker(args) -> None:
     mesh = make_mesh(MeshConfig(fsdp=4))
 
     def learner(seed):
-        return create_sharded_model(lambda: Decoder(config, rngs=nnx.Rngs(seed)), mesh)[0]
+        model = create_sharded_model(lambda: Decoder(config, rngs=nnx.Rngs(seed)), mesh)[0]
+        return jax.block_until_ready(model)  # made before any push is timed
 
     initial = os.path.join(args.workdir, "initial")
     engine_for = {}
@@ -108,7 +111,9 @@ def worker(args) -> None:
         for k in range(args.pushes + 1):
             pushed = learner(k + 1)
             order = ["disk", "tensor"] if k % 2 else ["tensor", "disk"]
-            row = {"round": k}
+            start = time.perf_counter()
+            sum(array.nbytes for _, array in hf_tensor_stream(pushed).arrays)
+            row = {"round": k, "gather_s": time.perf_counter() - start}
             for method in order:
                 m = engine_for[method].update_weights(pushed, f"round-{k}-{method}")
                 row[method] = {key.split("/")[1]: value for key, value in m.items()}
@@ -147,6 +152,9 @@ def report(per_process: list[list[dict]]) -> None:
             # The push is a collective: the slower process is the step's.
             ratios.append(max(r[k]["disk"]["total_s"] for r in per_process) /
                           max(r[k]["tensor"]["total_s"] for r in per_process))
+    gathers = [r[k]["gather_s"] for r in per_process for k in range(1, len(r))]
+    print(f"the gather both pushes begin with (every parameter to every process over the mesh, gloo here): "
+          f"median {np.median(gathers):.3f} s ({np.median(gathers) / (bytes_per_host / 1e9):.2f} s per GB)")
     timed = [[r[k][method]["total_s"] for r in per_process for k in range(1, len(r))] for method in ("disk", "tensor")]
     for method, totals in zip(("disk", "tensor"), timed, strict=True):
         print(f"{method}: median {np.median(totals):.3f} s per push per host, "

@@ -10,7 +10,8 @@ distributed.initialize()``); the code lives in four modules:
   (flags, environment, cluster detection), the coordinator checks, and
   :func:`check_mesh`, which says how a mesh must fit the processes' devices;
 - :mod:`jaxrl.distributed.hosts`: host data in and out of global arrays
-  (:func:`process_rows`, :func:`global_batch`, :func:`to_host`), host work
+  (:func:`process_rows`, :func:`global_batch`, :func:`to_host`,
+  :func:`gather_to_hosts`), host work
   split over processes (:func:`process_share`, :func:`allgather_ragged`) and
   the process that logs (:func:`is_main_process`, :func:`main_process_only`);
 - :mod:`jaxrl.distributed.failure`: :func:`stop_all_on_failure`, which makes
@@ -22,6 +23,7 @@ distributed.initialize()``); the code lives in four modules:
 from jaxrl.distributed.failure import stop_all_on_failure
 from jaxrl.distributed.hosts import (
     allgather_ragged,
+    gather_to_hosts,
     global_batch,
     is_main_process,
     main_process_only,
@@ -64,6 +66,7 @@ __all__ = [
     "allgather_ragged",
     "check_mesh",
     "config_from_env",
+    "gather_to_hosts",
     "global_batch",
     "initialize",
     "initialize_from_argv",

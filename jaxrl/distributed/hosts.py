@@ -80,6 +80,52 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(fetch, tree)
 
 
+def gather_to_hosts(x: jax.Array) -> np.ndarray:
+    """The full value of ``x`` on every process, each receiving only the parts it lacks, once.
+
+    :func:`to_host` replicates the array on every device of its mesh, so a host with 8 devices
+    receives every other host's part 8 times. Here each process reads its own shards locally and
+    the others' arrive over a mesh of one device per process: a host receives (hosts - 1) / hosts
+    of the array, the least a copy on every host can cost. A part several processes hold is sent by
+    the lowest of them. A collective: every process calls it for the same arrays in the same order.
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    shape, count, me = tuple(x.shape), jax.process_count(), jax.process_index()
+    owners: dict[tuple, int] = {}  # each distinct part (as slices' bounds) -> the lowest process holding it
+    for device, index in sorted(x.sharding.devices_indices_map(shape).items(), key=lambda d: d[0].process_index):
+        owners.setdefault(_bounds(index, shape), device.process_index)
+    parts = [[key for key, owner in owners.items() if owner == p] for p in range(count)]
+    sizes = [sum(math.prod(b - a for a, b in key) for key in keys) for keys in parts]
+    held = {_bounds(shard.index, shape): shard.data for shard in x.addressable_shards}
+    flat = np.zeros(max(max(sizes), 1), x.dtype)
+    flat[:sizes[me]] = np.concatenate([np.asarray(held[key]).ravel() for key in parts[me]] or [flat[:0]])
+    mine = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(count)]
+    mesh = jax.sharding.Mesh(np.asarray(mine), ("hosts",))
+    spread = jax.make_array_from_single_device_arrays(
+        (count, flat.size), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("hosts")),
+        [jax.device_put(flat[None], mine[me])])
+    everyone = np.asarray(_replicate(mesh)(spread).addressable_data(0))
+    full = np.empty(shape, x.dtype)
+    for p, keys in enumerate(parts):
+        offset = 0
+        for key in keys:
+            size = math.prod(b - a for a, b in key)
+            full[tuple(slice(a, b) for a, b in key)] = everyone[p, offset:offset + size].reshape(
+                [b - a for a, b in key])
+            offset += size
+    return full
+
+
+def _bounds(index: tuple, shape: tuple) -> tuple:
+    return tuple(part.indices(size)[:2] for part, size in zip(index, shape, strict=True))
+
+
+@functools.cache
+def _replicate(mesh: jax.sharding.Mesh):
+    return jax.jit(lambda a: a, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def is_main_process() -> bool:
     """True on process 0, the one that writes logs, TensorBoard events and plots."""
     return jax.process_index() == 0

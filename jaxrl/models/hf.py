@@ -328,7 +328,7 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
     # On the device, one parameter at a time: XLA lays out the transposes (about 4x numpy's
     # strided copy on CPU), and no process ever holds more than one gathered tensor.
     for name, array in _saved_tensors(model, lambda x: x):
-        value = distributed.to_host(array)
+        value = distributed.gather_to_hosts(array)
         if distributed.is_main_process():
             tensors[name] = np.ascontiguousarray(value)
     if distributed.is_main_process():
@@ -353,8 +353,8 @@ def hf_tensor_stream(model: Decoder) -> TensorStream:
     reaches it, for a consumer that copies each once (the in-memory SGLang push copies them straight
     into its shared buffers): nothing is copied where a parameter already lives in this process's
     host memory (numpy views, mostly transposed, so not contiguous), and with several JAX processes
-    each parameter is gathered from them all (:func:`jaxrl.distributed.to_host`: a collective over
-    the learner's mesh, so every process reads the stream to its end, in step). A view is valid
+    each parameter is gathered from them all (:func:`jaxrl.distributed.gather_to_hosts`: a collective
+    over one device per process, so every process reads the stream to its end, in step). A view is valid
     while the model's arrays live."""
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     maps = tensor_maps(model.config)
@@ -367,7 +367,7 @@ def hf_tensor_stream(model: Decoder) -> TensorStream:
     specs.update((name, (tuple(v.shape), np.dtype(v.dtype))) for name, v in derived.items())
 
     def arrays():
-        yield from _saved_tensors(model, distributed.to_host)
+        yield from _saved_tensors(model, distributed.gather_to_hosts)
         yield from derived.items()
 
     return TensorStream(specs, arrays())

@@ -3,6 +3,8 @@
 - ``ragged``: ``allgather_ragged`` of arrays that depend on the process index
   (process p holds p + 1 arrays, one of them empty, in three dtypes); writes
   what it got to ``OUT_DIR/ragged-<p>.npz``.
+- ``hosts``: ``gather_to_hosts`` of the arrays of ``host_arrays`` laid out over the 8 devices of
+  both processes in three shardings; writes what it got to ``OUT_DIR/hosts-<p>.npz``.
 - ``sglang MODEL_PATH URL0,URL1``: process p drives the running CPU SGLang server
   ``URL<p>`` (serving ``MODEL_PATH``, an MoE model: routes come back, as weight
   version ``p<p>``) as its own fleet, generates
@@ -47,6 +49,33 @@ def run_ragged(out_dir: str, process: int) -> None:
              **{f"{name}/{k}": a for name, arrays in gathered.items() for k, a in enumerate(arrays)})
 
 
+def host_arrays() -> dict[str, tuple[np.ndarray, tuple[str, ...], tuple]]:
+    """name -> (the full array, mesh axes over the 8 devices, its PartitionSpec)."""
+    import ml_dtypes
+
+    return {
+        "rows": (np.arange(16 * 6, dtype=np.float32).reshape(16, 6) / 7, ("x",), ("x",)),
+        # fsdp over each process's 4 devices, replicated over processes: process 0 sends everything.
+        "replicated_rows": (np.arange(8 * 10, dtype=np.int32).reshape(8, 10) - 40, ("data", "fsdp"), ("fsdp",)),
+        "grid": ((np.arange(4 * 12, dtype=np.float32).reshape(4, 12) / 3).astype(ml_dtypes.bfloat16),
+                 ("data", "fsdp"), ("fsdp", "data")),
+    }
+
+
+def run_hosts(out_dir: str, process: int) -> None:
+    import jax
+
+    got = {}
+    for name, (full, axes, spec) in host_arrays().items():
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape((8,) if len(axes) == 1 else (2, 4)), axes)
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        array = jax.make_array_from_callback(full.shape, sharding, lambda index, full=full: full[index])
+        got[name] = distributed.hosts.gather_to_hosts(array)
+    np.savez(os.path.join(out_dir, f"hosts-{process}.npz"), **{k: v.view(np.uint8) for k, v in got.items()},
+             **{f"{k}/dtype": np.array(str(v.dtype)) for k, v in got.items()},
+             **{f"{k}/shape": np.array(v.shape) for k, v in got.items()})
+
+
 def run_sglang(out_dir: str, process: int, model_path: str, urls: list[str]) -> None:
     from jaxrl.models import load_hf_checkpoint
     from jaxrl.rollout.base import SamplingParams
@@ -80,6 +109,8 @@ def main(argv: list[str]) -> int:
     with distributed.stop_all_on_failure():
         if mode == "ragged":
             run_ragged(out_dir, info.process_index)
+        elif mode == "hosts":
+            run_hosts(out_dir, info.process_index)
         elif mode == "sglang":
             run_sglang(out_dir, info.process_index, rest[0], rest[1].split(","))
         else:

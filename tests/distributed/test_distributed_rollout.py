@@ -53,6 +53,19 @@ def test_allgather_ragged_across_two_processes_is_exact_and_in_process_order(pro
                 np.testing.assert_array_equal(array, want, err_msg=f"{name}/{k}")  # bit for bit, int64 too
 
 
+def test_gather_to_hosts_gives_every_process_the_whole_array_bit_for_bit(processes, tmp_path):
+    """Split over both processes' 8 devices, replicated over processes, in two dimensions, bfloat16:
+    each process ends with exactly the full array (the weight push's gather, jaxrl.models.hf)."""
+    processes.start_group([sys.executable, rollout_worker.__file__, "hosts", str(tmp_path)])
+    for result in processes.wait_all(timeout_s=60):
+        assert result.returncode == 0, result.output[-3000:]
+    for process in (0, 1):
+        got = np.load(tmp_path / f"hosts-{process}.npz")
+        for name, (want, _, _) in rollout_worker.host_arrays().items():
+            assert str(got[f"{name}/dtype"]) == str(want.dtype) and tuple(got[f"{name}/shape"]) == want.shape, name
+            assert got[name].tobytes() == want.tobytes(), (process, name)
+
+
 @pytest.mark.sglang
 @pytest.mark.skipif(not CPU_VENV_PYTHON.exists(), reason="run scripts/setup_sglang_cpu.sh first")
 def test_sglang_generate_on_two_processes_each_with_its_own_server(processes, tmp_path, sglang_moe):
