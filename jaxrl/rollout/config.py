@@ -17,13 +17,43 @@ from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig
 
 
 @dataclasses.dataclass(frozen=True)
+class ExternalConfig:
+    """Servers (or a router) someone else started, for a fleet separate from the learner
+    (docs/rollouts.md#servers-started-elsewhere). urls: their base URLs; the API key they were
+    started with comes from the environment (``JAXRL_SGLANG_API_KEY``), never the config.
+    model_path: the checkpoint they serve, the run's initial weights ("" = ``model.hf_path``).
+    logprob_kind, return_routed_experts, tensor_parallel (ranks per server): how they were
+    started, which jaxrl cannot ask them (a wrong logprob kind shows in the push check)."""
+
+    urls: tuple[str, ...]
+    model_path: str = ""
+    logprob_kind: LogprobKind = LogprobKind.RAW
+    return_routed_experts: bool = False
+    tensor_parallel: int = 1
+
+    def __post_init__(self):
+        if not self.urls:
+            raise ValueError("rollout.sglang.external.urls is empty; give the servers' base URLs "
+                             "(http://host:port), or a router's")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"rollout.sglang.external.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+
+
+@dataclasses.dataclass(frozen=True)
 class SGLangConfig:
     """The SGLang engine: the server fleet, the weight push (with its probe check) and the HTTP client.
-    ``server.model_path`` is the HF folder the servers start from (the run's initial weights)."""
+    The fleet is either ``server`` (servers jaxrl starts, watches and restarts; ``model_path`` is the
+    HF folder they start from, the run's initial weights) or ``external`` (servers someone else runs)."""
 
-    server: ServerConfig
+    server: ServerConfig | None = None
+    external: ExternalConfig | None = None
     push: PushConfig = PushConfig()
     client: ClientConfig = ClientConfig()
+
+    def __post_init__(self):
+        if (self.server is None) == (self.external is None):
+            raise ValueError("rollout.sglang needs exactly one of server (servers jaxrl starts) and external "
+                             "(servers someone else started, by URL)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +147,17 @@ def make_engine(rollout: RolloutConfig, model, mesh: jax.sharding.Mesh, max_batc
     """(engine, server manager or None) for ``rollout.engine``. The embedded sampler reads
     ``model``'s arrays by reference and decodes up to ``max_batch`` sequences at once; SGLang
     servers start from ``rollout.sglang.server.model_path``, this process's own, on the devices
-    ``placement`` gives them."""
+    ``placement`` gives them, or are someone else's (``rollout.sglang.external``: nothing to stop)."""
     if rollout.engine == "sglang":
-        from jaxrl.rollout.sglang import ServerManager, SGLangEngine
+        from jaxrl.rollout.sglang import ExternalFleetConfig, ExternalServers, ServerManager, SGLangEngine
 
-        server = rollout.sglang.server
+        sglang = rollout.sglang
+        if sglang.external is not None:
+            external = sglang.external
+            fleet = ExternalServers(external.urls, external.model_path, ExternalFleetConfig(
+                external.logprob_kind, external.return_routed_experts, external.tensor_parallel))
+            return SGLangEngine(fleet, push=sglang.push, client=sglang.client), None
+        server = sglang.server
         if placement is not None:
             server = server.placed(placement, jax.process_index())
         elif jax.process_count() > 1:
@@ -129,7 +165,7 @@ def make_engine(rollout: RolloutConfig, model, mesh: jax.sharding.Mesh, max_batc
             # process starts its own servers, so process p takes the block after process p-1's.
             server = dataclasses.replace(server, base_port=server.base_port + jax.process_index() * server.num_servers)
         manager = ServerManager(server).start()
-        return SGLangEngine(manager, push=rollout.sglang.push, client=rollout.sglang.client), manager
+        return SGLangEngine(manager, push=sglang.push, client=sglang.client), manager
     from jaxrl.rollout.sampler import JaxSampler
 
     return JaxSampler(model, mesh=mesh, max_batch=max_batch), None

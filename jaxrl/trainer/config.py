@@ -348,6 +348,8 @@ class TrainConfig:
             self._check_env_fits_model()
         if self.placement is not None:
             self._check_placement()
+        if self.rollout.sglang is not None and self.rollout.sglang.external is not None:
+            self._fill_external_model()
         if self.env is not None and self.rollout.max_staleness > 0:
             raise ValueError(f"env (multi-turn rollouts) runs with the synchronous loop for now; set "
                              f"rollout.max_staleness=0 (got {self.rollout.max_staleness})")
@@ -364,11 +366,25 @@ class TrainConfig:
                 f"divisible by update.mini_batches * update.micro_batches = {split}"
             )
 
+    def _fill_external_model(self) -> None:
+        """Servers started elsewhere serve the run's initial weights unless their section says otherwise."""
+        external = self.rollout.sglang.external
+        if external.model_path:
+            return
+        if not self.model.hf_path:
+            raise ValueError("rollout.sglang.external.model_path is empty and so is model.hf_path: give the "
+                             "checkpoint folder the servers serve (its config.json names the vocabulary)")
+        sglang = dataclasses.replace(self.rollout.sglang,
+                                     external=dataclasses.replace(external, model_path=self.model.hf_path))
+        object.__setattr__(self, "rollout", dataclasses.replace(self.rollout, sglang=sglang))
+
     def _check_placement(self) -> None:
         """The layout must fit the mesh and leave the SGLang servers at least one device each."""
-        if self.rollout.engine != "sglang":
-            raise ValueError(f"placement lays out SGLang servers beside the learner, and rollout.engine="
-                             f"{self.rollout.engine!r}; set rollout.engine=sglang or remove the placement section")
+        if self.rollout.engine != "sglang" or self.rollout.sglang.external is not None:
+            has = (f"rollout.engine={self.rollout.engine!r}" if self.rollout.engine != "sglang"
+                   else "servers started elsewhere (rollout.sglang.external)")
+            raise ValueError(f"placement lays out the SGLang servers jaxrl starts beside the learner, and this run "
+                             f"has {has}; remove the placement section (or use rollout.sglang.server)")
         self.placement.check_mesh(dataclasses.asdict(self.mesh))
         if not self.placement.servers_per_host:
             raise ValueError(f"placement gives every one of the {self.placement.devices_per_host} devices per host "

@@ -49,7 +49,7 @@ def host_plans(config: TrainConfig, environ: dict[str, str] | None = None) -> li
     plans = []
     for process in range(hosts):
         servers = ()
-        if config.rollout.engine == "sglang":
+        if config.rollout.engine == "sglang" and config.rollout.sglang.server is not None:
             server = config.rollout.sglang.server
             server = server.placed(placement, process) if placement is not None else _offset(server, process)
             servers = tuple(_server_plan(server, i, environ) for i in range(server.num_servers))
@@ -74,9 +74,13 @@ def describe_plan(config: TrainConfig) -> str:
     """The plan as text: per host, the learner's devices and each server's GPUs and command line."""
     placement, mesh = config.placement, dataclasses.asdict(config.mesh)
     lines = [f"mesh {' '.join(f'{k}={v}' for k, v in mesh.items())}: {config.mesh.size} learner devices"]
+    external = config.rollout.sglang.external if config.rollout.engine == "sglang" else None
+    if external is not None:
+        lines.append(f"SGLang servers started elsewhere: {', '.join(external.urls)} (weights by "
+                     f"push.method={config.rollout.sglang.push.method})")
     if placement is None:
-        lines.append("no placement section: one process per host whose JAX uses its first devices; the SGLang "
-                     "servers see every GPU of the host")
+        lines.append("no placement section: one process per host whose JAX uses its first devices"
+                     + ("" if external is not None else "; the SGLang servers see every GPU of the host"))
     else:
         where = "on the learner's devices" if placement.colocate else "on the other devices"
         lines.append(f"placement: {placement.hosts} host(s) x {placement.devices_per_host} devices, one jaxrl "

@@ -93,7 +93,7 @@ def test_dry_run_prints_every_host_plan_and_starts_nothing():
     (["placement.colocate=true", "placement.learner_memory_fraction=0.5"],
      r"placement.server_memory_fraction=0.85 must be at most 0.45"),
     (["placement.server_memory_fraction=1.5"], r"placement.server_memory_fraction=1.5 must be a share"),
-    (["rollout.engine=embedded"], r"placement lays out SGLang servers .* rollout.engine='embedded'"),
+    (["rollout.engine=embedded"], r"placement lays out the SGLang servers .* has rollout.engine='embedded'"),
     (["rollout.sglang.server.extra_args=[--tp, '4']"], r"extra_args: --tp is set by ServerConfig.tensor_parallel"),
 ])
 def test_layouts_that_do_not_fit_are_refused_at_load_naming_the_key(overrides, message):

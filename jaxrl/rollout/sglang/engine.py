@@ -152,8 +152,8 @@ class SGLangEngine(RolloutEngine):
                           for i in range(self.manager.num_servers)])
 
     def close(self) -> None:
+        self._pusher.close()  # may still talk to the servers (a process group to leave)
         self._client.close()
-        self._pusher.close()
 
     # ----- scoring ---------------------------------------------------------
     def score(self, token_ids: Sequence[int], server: int = 0) -> np.ndarray:

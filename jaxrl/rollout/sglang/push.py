@@ -1,11 +1,14 @@
 """The SGLang weight push and its verification (docs/rollouts.md#weight-push-and-its-verification).
 
-A push sends the learner's parameters to every server of the fleet by one of two transports,
-``PushConfig.method`` naming it (``_TRANSPORTS``):
+A push sends the learner's parameters to every server of the fleet by one of three transports,
+``PushConfig.method`` naming it (``_TRANSPORTS``; ``auto`` picks tensor for servers on this host,
+distributed for the others):
 
 - ``tensor``: through shared memory on each host, no file written (push_memory.py); with
   several JAX processes each gathers the parameters over the learner's mesh and loads its own
   servers;
+- ``distributed``: broadcast over a torch process group that the learner forms with servers
+  started elsewhere, no file written (push_group.py);
 - ``disk``: a Hugging Face checkpoint written into ``checkpoint_dir`` and loaded from there
   (push_disk.py); with several processes that folder must be storage every host sees.
 
@@ -29,10 +32,21 @@ from jaxrl.rollout.base import PushVerificationError
 from jaxrl.rollout.sglang.client import SGLangClient
 from jaxrl.rollout.sglang.fleet import Fleet
 from jaxrl.rollout.sglang.push_disk import DiskPush, ExportFn
+from jaxrl.rollout.sglang.push_group import GroupPush
 from jaxrl.rollout.sglang.push_memory import MemoryPush, TensorsFn
 
 # (params, token_ids [L] int) -> [L - 1] float: log p(token_{t+1} | tokens_{<=t}), raw logits, T = 1.
 RecomputeFn = Callable[[Any, np.ndarray], np.ndarray]
+
+# method -> its transport, made from (fleet, client, PushConfig, export_fn, tensors_fn); each has
+# send(params, version) -> (when the data was out, extra metrics), verified, reload and close.
+_TRANSPORTS = {
+    "tensor": lambda fleet, client, c, export_fn, tensors_fn: MemoryPush(fleet, client, c.chunk_mib, tensors_fn),
+    "distributed": lambda fleet, client, c, export_fn, tensors_fn: GroupPush(
+        fleet, client, c.chunk_mib, tensors_fn, c.group_address, c.group_port, c.group_backend, c.group_timeout_s),
+    "disk": lambda fleet, client, c, export_fn, tensors_fn: DiskPush(
+        fleet, client, c.checkpoint_dir, c.keep_checkpoints, export_fn),
+}
 
 
 def export_decoder(model, path: str) -> None:
@@ -62,26 +76,40 @@ def recompute_decoder(model, token_ids: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class PushConfig:
-    """method: "tensor" (shared memory, each process's servers on its own host, no file) or "disk"
-    (a checkpoint per push, which every server reads; docs/rollouts.md#weight-push-and-its-verification);
+    """method (docs/rollouts.md#weight-push-and-its-verification): "tensor" (shared memory, each
+    process's servers on its own host, no file), "distributed" (a torch process group with servers
+    started elsewhere, no file), "disk" (a checkpoint per push, which every server reads), or
+    "auto": tensor for servers on this host (those jaxrl starts), distributed for the others;
     checkpoint_dir: where pushed checkpoints are written (``weights-<version>``; method disk);
     keep_checkpoints: newest pushed checkpoints kept on disk (>= 1: a restarted server reloads the newest);
     probe_ids: the fixed token sequence scored after every push (>= 2 tokens);
     probe_atol: largest allowed |engine logprob - learner logprob| on the probe;
-    chunk_mib: method tensor: the tensors go over in chunks of at least this many MiB (> 0), so
-      the servers load one chunk while the learner copies (and gathers) the next."""
+    chunk_mib: methods tensor and distributed: the tensors go over in chunks of at least this many
+      MiB (> 0), so the servers load one chunk while the learner copies (and gathers) the next;
+    group_address / group_port / group_backend / group_timeout_s: method distributed: the address of
+      this learner the servers reach (process 0's host), its port (0: a free one), "gloo" (servers
+      on CPU) or "nccl" (servers on GPUs), and how long the group may take to form."""
 
-    method: Literal["tensor", "disk"] = "tensor"
+    method: Literal["auto", "tensor", "distributed", "disk"] = "auto"
     checkpoint_dir: str = "runs/sglang/checkpoints"
     keep_checkpoints: int = 2
     probe_ids: tuple[int, ...] = (1, 7, 23, 3, 29, 5, 12, 8, 30, 2, 31, 17)
     probe_atol: float = 1e-5
     chunk_mib: float = 128.0
+    group_address: str = "127.0.0.1"
+    group_port: int = 0
+    group_backend: Literal["gloo", "nccl"] = "gloo"
+    group_timeout_s: float = 300.0
 
     def __post_init__(self):
         object.__setattr__(self, "probe_ids", tuple(int(t) for t in self.probe_ids))
-        if self.method not in ("disk", "tensor"):
-            raise ValueError(f"PushConfig.method: got {self.method!r}, expected 'tensor' or 'disk'")
+        if self.method not in _TRANSPORTS and self.method != "auto":
+            raise ValueError(f"PushConfig.method: got {self.method!r}, expected 'auto' or one of {sorted(_TRANSPORTS)}")
+        if self.group_backend not in ("gloo", "nccl"):
+            raise ValueError(f"PushConfig.group_backend: got {self.group_backend!r}, expected 'gloo' or 'nccl'")
+        if not 0 <= self.group_port <= 65535 or not self.group_timeout_s > 0:
+            raise ValueError(f"PushConfig.group_port ({self.group_port}) must be a port or 0, and group_timeout_s "
+                             f"({self.group_timeout_s}) > 0")
         if self.keep_checkpoints < 1:
             raise ValueError(f"PushConfig.keep_checkpoints: got {self.keep_checkpoints}, expected >= 1")
         if len(self.probe_ids) < 2 or min(self.probe_ids) < 0:
@@ -108,10 +136,9 @@ class WeightPusher:
         self.config = config
         self._client = client
         self._recompute_fn = recompute_fn
-        if config.method == "tensor":
-            self._transport = MemoryPush(fleet, client, config.chunk_mib, tensors_fn)
-        else:
-            self._transport = DiskPush(fleet, client, config.checkpoint_dir, config.keep_checkpoints, export_fn)
+        self.method = config.method if config.method != "auto" else \
+            "tensor" if fleet.on_this_host else "distributed"
+        self._transport = _TRANSPORTS[self.method](fleet, client, config, export_fn, tensors_fn)
 
     def push(self, params, version: str) -> dict[str, float]:
         """Pushes ``params`` as ``version`` and verifies it; returns timing metrics.
@@ -195,3 +222,4 @@ class WeightPusher:
                     "serving the learner's weights: check the export (parameter names, dtype, "
                     "tied embeddings) and the server's --dtype")
         return worst
+

@@ -57,7 +57,7 @@ class SharedTensors:
         ``tensors.arrays`` when its chunk is copied (with several JAX processes, gathered then)."""
         torch = _torch()
         _release(self._allocate(torch, tensors.specs))
-        groups = _consecutive_groups(tensors.specs, chunk_bytes)
+        groups = consecutive_groups(tensors.specs, chunk_bytes)
         arrays = iter(tensors.arrays)
         for i, names in enumerate(groups):
             for want in names:
@@ -127,7 +127,7 @@ def _release(buffers: dict) -> None:
             os.unlink(path)
 
 
-def _consecutive_groups(specs: dict[str, tuple[tuple[int, ...], np.dtype]], chunk_bytes: int) -> list[list[str]]:
+def consecutive_groups(specs: dict[str, tuple[tuple[int, ...], np.dtype]], chunk_bytes: int) -> list[list[str]]:
     groups, size = [[]], 0
     for name, (shape, dtype) in specs.items():
         if size >= chunk_bytes:
