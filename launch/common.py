@@ -14,6 +14,8 @@ import sys
 from typing import Mapping, Sequence
 
 DEFAULT_PORT = 8476
+# --setup names a launcher may expand: gpu sets up an NVIDIA GPU host, runtime only (docs/install.md#nvidia-gpus).
+SETUP_PRESETS = {"gpu": "bash scripts/setup_gpu.sh"}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
@@ -33,8 +35,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, workdir: str, log_dir: s
     parser.add_argument("--workdir", default=workdir, help="the jaxrl checkout on the machines (default %(default)s)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment for the command on every process (repeatable)")
-    parser.add_argument("--setup", default=None, metavar="SHELL",
-                        help="shell command run once per machine in --workdir before the job (e.g. installs)")
+    parser.add_argument("--setup", default=None, metavar="SHELL", type=lambda value: SETUP_PRESETS.get(value, value),
+                        help="shell command run once per machine in --workdir before the job (e.g. installs); gpu: "
+                             f"{SETUP_PRESETS['gpu']} (the learner and SGLang for NVIDIA GPUs, no test tools)")
     parser.add_argument("--log-dir", default=log_dir, help="where logs are gathered (default %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print exactly what would run, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS... run by every process")

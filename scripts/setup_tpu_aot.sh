@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-tpu
 stamp=$venv/.jaxrl-setup.sha
-want=$(cat scripts/setup_tpu_aot.sh requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat scripts/setup_tpu_aot.sh requirements.txt requirements-runtime.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 start=$(date +%s)
 rm -f "$stamp"

@@ -9,6 +9,7 @@ the venv, its install and the checks).
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -88,10 +89,13 @@ def test_twine_check(dist):
     assert result.stdout.count("PASSED") == 2, result.stdout
 
 
-def _locked(names: set[str]) -> list[str]:
-    """requirements.txt's pins of ``names``, without extras (a constraints file may not have them)."""
+def _locked(names: set[str], lock: str = "requirements.txt") -> list[str]:
+    """The lock's pins of ``names`` (its ``-r`` files followed), without extras (a constraints file may
+    not have them)."""
     pins = []
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
+    for line in (ROOT / lock).read_text().splitlines():
+        if line.startswith("-r "):
+            pins += _locked(names, line[3:].strip())
         match = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^]]*\])?(==\S+)", line.strip())
         if match and match[1].lower() in names:
             pins.append(match[1] + match[3])
@@ -147,3 +151,27 @@ def test_version_has_one_source(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"jaxrl {jaxrl.__version__}\n"
     assert 'dynamic = ["version"]' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_gpu_lock_installs_jax_on_cuda_and_the_runtime_without_test_tools(tmp_path):
+    """requirements-cuda.txt (what scripts/setup_gpu.sh installs on a GPU host) resolves with pip on
+    this platform: JAX's CUDA 12 plugin at the lock's JAX version, the runtime pins of the CPU lock,
+    torch (the in-memory weight push), and none of the test tools. A dry run: pip resolves from
+    PyPI's metadata and installs nothing."""
+    report = tmp_path / "report.json"
+    _run(sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q", "--report", report,
+         "-r", ROOT / "requirements-cuda.txt")
+    chosen = {item["metadata"]["name"].lower(): item["metadata"]["version"]
+              for item in json.loads(report.read_text())["install"]}
+    jax_version = _locked({"jax"})[0].split("==")[1]
+    assert chosen["jax"] == chosen["jaxlib"] == chosen["jax-cuda12-plugin"] == jax_version
+    assert chosen["jax-cuda12-pjrt"] == jax_version and "nvidia-cuda-runtime-cu12" in chosen
+    runtime = {"flax", "optax", "orbax-checkpoint", "transformers", "numpy", "torch"}
+    for pin in _locked(runtime, "requirements-runtime.txt"):
+        name, version = pin.lower().split("==")
+        assert chosen[name].split("+")[0] == version, pin
+    assert not {"pytest", "pytest-xdist", "pytest-timeout", "ruff", "build", "twine"} & set(chosen)
+    # The GPU servers' SGLang is the version the CPU tests run.
+    (cpu_sglang,) = [line for line in (ROOT / "scripts/sglang_cpu/requirements-cpu.lock").read_text().splitlines()
+                     if line.startswith("sglang==")]
+    assert f'SGLANG="sglang[all]=={cpu_sglang.split("==")[1]}"' in (ROOT / "scripts/setup_gpu.sh").read_text()

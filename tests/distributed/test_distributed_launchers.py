@@ -185,3 +185,18 @@ def test_multinode_runs_locally_gathers_logs_and_a_failure_stops_the_others(tmp_
     assert f"process 1 exited with 3; stopping the others (log: {logs}/process-1.log)" in out.stderr
     leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     assert leftover.stdout == ""
+
+
+def test_gpu_setup_preset_sets_up_every_host_with_the_runtime_only(tmp_path):
+    """--setup gpu: scripts/setup_gpu.sh on every host before the job (multinode: one line per host;
+    SLURM: in the batch script, in the workdir all nodes share)."""
+    out = launch("multinode.py", "--hosts", "node-a,node-b", "--workdir", "/srv/jaxrl", "--setup", "gpu",
+                 "--dry-run", "--", "jaxrl", "train", "c.yaml")
+    assert out.returncode == 0, out.stderr
+    setups = [line for line in commands(out.stdout) if "setup_gpu.sh" in " ".join(line)]
+    assert [line[3] for line in setups] == ["node-a", "node-b"]
+    assert all(line[4] == shlex.join(["bash", "-c", "set -o pipefail; cd /srv/jaxrl && bash scripts/setup_gpu.sh"])
+               for line in setups)
+    out = launch("slurm.py", "--nodes", "2", "--gpus-per-node", "8", "--setup", "gpu", "--log-dir", str(tmp_path),
+                 "--dry-run", "--", "jaxrl", "train", "c.yaml")
+    assert out.returncode == 0 and "\nbash scripts/setup_gpu.sh\n" in out.stdout, out.stderr

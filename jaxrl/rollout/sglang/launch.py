@@ -22,6 +22,7 @@ from jaxrl.rollout.sglang.processes import LAUNCH_API_KEY_ENV, LAUNCHER
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 CPU_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
+GPU_VENV_PYTHON = REPO_ROOT / ".venv-sglang-gpu" / "bin" / "python"  # made by scripts/setup_gpu.sh
 CPU_STAND_IN_DIR = REPO_ROOT / "scripts" / "sglang_cpu"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
@@ -54,7 +55,8 @@ class ServerConfig:
       but a RAW request on a PROCESSED fleet is refused: those servers cannot give it.
     return_routed_experts: start with ``--enable-return-routed-experts`` (MoE R3).
     max_total_tokens: KV-cache size in tokens (``--max-total-tokens``); None: SGLang's choice.
-    python: interpreter that has SGLang; None: ``.venv-sglang`` on CPU, this one on GPUs.
+    python: interpreter that has SGLang; None: ``.venv-sglang`` on CPU, ``.venv-sglang-gpu`` on GPUs
+      (scripts/setup_gpu.sh), else this one.
     tensor_parallel: devices per server (SGLang ``--tp-size``).
     mem_fraction_static: SGLang ``--mem-fraction-static`` (share of each GPU for weights and KV
       cache, counting what other processes hold there as taken); None: SGLang's default.
@@ -155,7 +157,13 @@ class ServerConfig:
 
     @property
     def python_executable(self) -> str:
-        return self.python or str(CPU_VENV_PYTHON if self.device == "cpu" else sys.executable)
+        """``python``, else on CPU ``.venv-sglang`` and on GPUs ``.venv-sglang-gpu`` where
+        scripts/setup_gpu.sh made it, this interpreter otherwise (SGLang installed beside jaxrl)."""
+        if self.python:
+            return self.python
+        if self.device == "cpu":
+            return str(CPU_VENV_PYTHON)
+        return str(GPU_VENV_PYTHON) if GPU_VENV_PYTHON.exists() else sys.executable
 
     def placed(self, placement: PlacementConfig, process_index: int) -> "ServerConfig":
         """Process ``process_index``'s servers as ``placement`` lays them out on its host: their
