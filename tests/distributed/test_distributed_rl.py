@@ -135,3 +135,28 @@ def test_moe_routing_replay_on_two_processes_equals_one_process(processes, tmp_p
     assert any("router" in name for name in two_params)
     for name in two_params:
         np.testing.assert_allclose(two_params[name], one_params[name], rtol=0, atol=ATOL, err_msg=name)
+
+
+def test_partial_rollouts_on_two_processes_equal_one_process(processes, tmp_path):
+    """``rollout.partial_tokens``: generations in rounds of 2 tokens, 8 groups in flight for steps of 4
+    (the partial queue runs in the trainer's thread on every process), so step 2 trains on groups
+    generated with step 1's weights, as on one process: the same samples, per-token weight versions,
+    losses and parameters."""
+    overrides = _demo_model_and_data(tmp_path)
+    train = [sys.executable, "-m", "jaxrl.cli", "train", "configs/demo.yaml", *overrides,
+             "rollout.partial_tokens=2", "rollout.partial_groups=8"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    processes.start_group([*train, f"output_dir={two}", f"checkpoint.directory={two / 'ckpt'}"])
+    processes.start([*train, f"output_dir={one}", f"checkpoint.directory={one / 'ckpt'}"], child_env(8))
+    for result in processes.wait_all(timeout_s=400):
+        assert result.returncode == 0, result.output[-5000:]
+    two_rows, one_rows = _rows(two / "metrics.jsonl"), _rows(one / "metrics.jsonl")
+    assert two_rows[-1]["rollout/token_staleness_max"] >= 1  # step 2 trained on tokens of step 1's weights
+    for a, b in zip(two_rows, one_rows, strict=True):
+        for key in ("reward/mean", "rollout/partial_carried_in", "rollout/partial_samples",
+                    "rollout/token_staleness_mean"):
+            assert a[key] == b[key], key
+        np.testing.assert_allclose(a["update/loss"], b["update/loss"], rtol=1e-5, atol=1e-6)
+    two_params, one_params = _restore_params(str(two / "ckpt")), _restore_params(str(one / "ckpt"))
+    for name in two_params:
+        np.testing.assert_allclose(two_params[name], one_params[name], rtol=0, atol=ATOL, err_msg=name)
