@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The GPU checks of the speed work, as one run on a lent NVIDIA machine: jaxrl vs Tunix at a
-# 0.6B-class shape in bfloat16 (bench/vs_tunix.py --shapes 0.6b) and learner MFU of a 1B-class
-# model (bench/learner_mfu.py --preset 1b), each under its own time limit. That machine's python3
+# The GPU checks, as one run on a lent NVIDIA machine: jaxrl vs Tunix at a 0.6B-class shape in
+# bfloat16 (bench/vs_tunix.py --shapes 0.6b), learner MFU of a 1B-class model (bench/learner_mfu.py
+# --preset 1b), and the learner's side of a colocated placement (placement: JAX restricted to the
+# placement's GPU with its share of the memory, as jaxrl train does before JAX starts), each under
+# its own time limit. SGLang is not on that machine and too large to carry (the 64 MiB limit), so
+# the colocated server itself cannot run there. That machine's python3
 # has CUDA JAX, flax, optax, orbax, transformers and torch, but not grain (jaxrl's data pipeline),
 # Tunix or some of their needs, and it cannot download: fetch their Python 3.12 wheels here first
 # (about 25 MB), then carry them.
 #
 #   bash bench/gpu_checks.sh --fetch                  # here: the wheels into .whl/ (git-ignored)
-#   bash bench/gpu_checks.sh [tunix|mfu]              # there, with .whl carried; logs to $OUT
+#   bash bench/gpu_checks.sh [tunix|mfu|placement]    # there, with .whl carried; logs to $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The packages the image lacks or holds in another version (JAX stays the image's CUDA build), at
@@ -34,11 +37,27 @@ OUT="${OUT:-/tmp/gpu-checks}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 status=0
-if [ "${1:-all}" != mfu ]; then
+if [ "${1:-all}" = all ] || [ "${1:-all}" = placement ]; then
+  timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/placement.log" || status=1
+from jaxrl.distributed.placement import PlacementConfig, restrict_learner_devices
+placement = PlacementConfig(devices_per_host=1, learner_devices=(0,), colocate=True, learner_memory_fraction=0.4,
+                            server_memory_fraction=0.45)
+restrict_learner_devices(placement, on_gpu=True)
+import subprocess
+import jax
+total = float(subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout.split()[0]) * 2**20
+limit = jax.devices()[0].memory_stats()["bytes_limit"]  # the allocator's pool: XLA_PYTHON_CLIENT_MEM_FRACTION's
+print(f"placement: JAX sees {jax.devices()}, may take {limit / 2**30:.1f} of {total / 2**30:.1f} GiB "
+      f"({limit / total:.3f}; asked 0.4)")
+assert len(jax.devices()) == 1 and abs(limit / total - 0.4) < 0.02
+PY
+fi
+if [ "${1:-all}" = all ] || [ "${1:-all}" = tunix ]; then
   timeout 300 python3 bench/vs_tunix.py --python python3 --device gpu --dtype bfloat16 --shapes 0.6b --quick \
     --json "$OUT/vs_tunix.json" 2>&1 | tee "$OUT/vs_tunix.log" || status=1
 fi
-if [ "${1:-all}" != tunix ]; then
+if [ "${1:-all}" = all ] || [ "${1:-all}" = mfu ]; then
   timeout 270 python3 bench/learner_mfu.py --preset 1b --warmup 2 --steps 2 2>&1 | tee "$OUT/learner_mfu.log" \
     || status=1
 fi
