@@ -36,8 +36,8 @@ class MemoryPush:
     def __init__(self, fleet: Fleet, client: SGLangClient, chunk_mib: float, tensors_fn: TensorsFn):
         if not fleet.on_this_host:
             raise ValueError(f"PushConfig.method=tensor needs each process's servers on its own host, and "
-                             f"{fleet.describe(0)} may not be; use method=disk (a checkpoint the servers can read) "
-                             "for servers elsewhere")
+                             f"{fleet.describe(0)} may not be; for servers elsewhere use method=distributed (a "
+                             "process group) or disk (a checkpoint they can read)")
         from jaxrl.rollout.sglang.tensors import SharedTensors
 
         self.fleet = fleet
