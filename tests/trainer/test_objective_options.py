@@ -72,7 +72,7 @@ def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=N
     run = Run(config, trainer.learner.train_step.graphdef, _host(trainer.state["params"]), tokenizer=trainer.tokenizer)
     update_stage, recompute_stage, rollout_stage = (trainer.stage(name) for name in ("update", "recompute", "rollout"))
     original_update, original_advantages = update_stage.update, advantage_stage.advantages
-    original_score, original_rollout = recompute_stage.scorer.score, rollout_stage.rollout
+    original_score, original_rollout = recompute_stage.scorer.score, rollout_stage.rollout_pending
 
     def update(batch, step, skip):
         run.batches.append(batch)
@@ -85,17 +85,22 @@ def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=N
         run.greedy_scores.append(greedy_scores)
         return original_advantages(batch, scores, valid, config, objective, group_size, greedy_scores)
 
-    def rollout(examples, seed, n, temperature=None):
-        samples = original_rollout(examples, seed, n, temperature)
-        if temperature == 0.0:
-            run.greedy.append(([e.prompt_ids for e in examples], [group[0].output_ids for group in samples]))
-        return samples
+    def rollout(examples, seed, n, temperature=None):  # the stage's rollout_pending: samples once gathered
+        pending = original_rollout(examples, seed, n, temperature)
+
+        def gathered():
+            samples = pending()
+            if temperature == 0.0:
+                run.greedy.append(([e.prompt_ids for e in examples], [group[0].output_ids for group in samples]))
+            return samples
+
+        return gathered
 
     def score(params, *inputs, **options):
         run.recomputes += 1
         return original_score(params, *inputs, **options)
 
-    update_stage.update, recompute_stage.scorer.score, rollout_stage.rollout = update, score, rollout
+    update_stage.update, recompute_stage.scorer.score, rollout_stage.rollout_pending = update, score, rollout
     monkeypatch.setattr(advantage_stage, "advantages", advantages)
     try:
         trainer.run()

@@ -70,9 +70,13 @@ class RolloutStage(Stage):
     def sampling(self, seed: int, temperature: float | None = None) -> SamplingParams:
         return sampling_params(self.context.config.rollout, self.context.stop_token_ids, seed, temperature)
 
-    def rollout(self, examples, seed: int, n: int, temperature: float | None = None) -> Callable[[], list]:
-        """``n`` samples [prompt][n] of each example with the engine's current weights, pending: this
-        process's share is drawn now (no collective), the returned call gathers every process's."""
+    def rollout(self, examples, seed: int, n: int, temperature: float | None = None) -> list:
+        """``n`` samples [prompt][n] of each example with the engine's current weights."""
+        return self.rollout_pending(examples, seed, n, temperature)()
+
+    def rollout_pending(self, examples, seed: int, n: int, temperature: float | None = None) -> Callable[[], list]:
+        """:meth:`rollout`, pending: this process's share is drawn now (no collective), the returned
+        call gathers every process's."""
         c = self.context
         if c.envs is not None:  # conversations with the rows' environments (config section env), drawn whole
             played = generate_conversations(c.engine, c.envs, examples, self.sampling(seed, temperature), n)
@@ -83,13 +87,13 @@ class RolloutStage(Stage):
 
     def generate_pending(self, examples, index: int, draw: int = 0) -> Callable[[], tuple[list, list | None]]:
         """Batch ``index``'s samples (and ReMax's greedy baseline responses), pending as in
-        :meth:`rollout`; the queue draws them in its worker thread when it has one and gathers them
+        :meth:`rollout_pending`; the queue draws them in its worker thread when it has one and gathers them
         in the trainer's. ``draw`` > 0: dynamic sampling's extra draw of the step, with its own seed."""
         config = self.context.config
         seed = sampling_seed(config.seed, index, draw)
-        samples = self.rollout(examples, seed=seed, n=config.rollout.group_size)
-        greedy = self.rollout(examples, seed=seed, n=1, temperature=0.0) if config.advantage.needs_greedy_baseline \
-            else None
+        samples = self.rollout_pending(examples, seed=seed, n=config.rollout.group_size)
+        greedy = self.rollout_pending(examples, seed=seed, n=1, temperature=0.0) \
+            if config.advantage.needs_greedy_baseline else None
         return lambda: (samples(), None if greedy is None else greedy())
 
     def generate(self, examples, index: int, draw: int = 0) -> tuple[list, list | None]:
