@@ -9,8 +9,9 @@ every server must reach. Each push then reads the tensors as a ``TensorStream`` 
 the gathers are collectives) and process 0 sends them chunk by chunk: for each chunk every server
 gets ``/update_weights_from_distributed`` with its names, dtypes and shapes while the learner
 broadcasts the tensors in that order (the version comes with the last chunk), inside the weight-update
-session SGLang requires. Nothing is written to disk; the learner's side needs torch (CPU torch for
-gloo; a CUDA build, on the learner's GPU, for NCCL).
+session SGLang requires; the other processes wait for its last broadcast before they verify.
+Nothing is written to disk; the learner's side needs torch (CPU torch for gloo; a CUDA build, on
+the learner's GPU, for NCCL).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import time
 import uuid
 from typing import Any, Callable
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxrl import distributed
 from jaxrl.rollout.base import PushVerificationError
@@ -48,12 +51,21 @@ class GroupPush:
 
     def send(self, params, version: str) -> tuple[float, dict[str, float]]:
         """Broadcasts the tensors to every server (process 0; the others only take part in the gathers);
-        returns when the last broadcast ended, push/chunks and push/bytes (bytes each server received)."""
+        returns in every process when the last broadcast ended, with push/chunks and push/bytes (bytes each
+        server received). With several processes they meet there: each then verifies the same servers,
+        which must already hold the version process 0 sent."""
         stream = self._tensors_fn(params)
-        if not distributed.is_main_process():
+        if distributed.is_main_process():
+            metrics = self._broadcast(stream, version)
+        else:
             for _ in stream.arrays:  # the gathers are collectives every process enters
                 pass
-            return time.perf_counter(), {}
+            metrics = {}
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"jaxrl group push {version} sent")
+        return time.perf_counter(), metrics
+
+    def _broadcast(self, stream, version: str) -> dict[str, float]:
         torch = _torch()
         if self._group is None:
             self._group = self._connect(torch)
@@ -80,12 +92,11 @@ class GroupPush:
                         if not result.get("success", False):
                             raise PushVerificationError(f"{self.fleet.describe(i)}: {what} failed: "
                                                         f"{result.get('message')!r}")
-            sent = time.perf_counter()
         finally:
             self._everywhere("/end_weight_update", lambda i: {}, what)
         nbytes = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
                      for shape, dtype in stream.specs.values())
-        return sent, {"push/chunks": len(groups), "push/bytes": nbytes}
+        return {"push/chunks": len(groups), "push/bytes": nbytes}
 
     def verified(self, version: str) -> None:
         """Nothing to keep: servers started elsewhere are not restarted by jaxrl."""
