@@ -24,6 +24,9 @@ import tempfile
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import repo_guard  # noqa: E402
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, shared with the subprocesses tests start (a
@@ -37,9 +40,27 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
+_REPO_BEFORE = pytest.StashKey[dict]()
+
+
+def _is_controller(config) -> bool:
+    """The process that runs the session (not an xdist worker)."""
+    return not hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session):
+    if _is_controller(session.config):
+        session.config.stash[_REPO_BEFORE] = repo_guard.snapshot()
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _XLA_CACHE is not None:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+    if _is_controller(session.config) and _REPO_BEFORE in session.config.stash:
+        found = repo_guard.changes(session.config.stash[_REPO_BEFORE], repo_guard.snapshot())
+        if found:  # fails the run: pytest returns the session's exit status after this hook
+            session.config.get_terminal_writer().line("\n" + repo_guard.report(found), red=True, bold=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -33,7 +33,8 @@ if sys.argv[1] == "trainer":
     architecture = {"vocab_size": 17, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
                     "num_kv_heads": 1, "head_dim": 16, "max_position_embeddings": 32}
     config = load_config(TrainConfig, "configs/demo.yaml", [
-        f"output_dir={root}/out", "model.hf_path=", f"model.architecture={json.dumps(architecture)}",
+        f"output_dir={root}/out", f"checkpoint.directory={root}/out/checkpoints", "model.hf_path=",
+        f"model.architecture={json.dumps(architecture)}",
         f"data.tokenizer={files['tokenizer']}", f"data.train_files=[{files['train']}]", "data.eval_files=[]",
         "logging.tensorboard=false", "logging.plots=false", "logging.progress=false"])
     RLTrainer(config).close()
