@@ -62,14 +62,14 @@ def _run(*args, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> dict[str, pathlib.Path]:
-    """The sdist, and the wheel built from it (``python -m build``'s default order)."""
+    """The sdist, and the wheel built from it (``python -m build``'s default order); ``src``: the copy built."""
     # Built from a copy: setuptools writes jaxrl.egg-info into the tree it builds.
     src, out = tmp_path_factory.mktemp("src") / "jaxrl", tmp_path_factory.mktemp("dist")
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
         ".git", ".venv*", "runs", "out", "__pycache__", "*.egg-info", ".ruff_cache", ".pytest_cache"))
     _run(sys.executable, "-m", "build", "--outdir", out, src)
     (wheel,), (sdist,) = out.glob("*.whl"), out.glob("*.tar.gz")
-    return {"wheel": wheel, "sdist": sdist}
+    return {"wheel": wheel, "sdist": sdist, "src": src}
 
 
 def test_wheel_holds_the_package_only(dist):
@@ -82,6 +82,15 @@ def test_wheel_holds_the_package_only(dist):
     # Every module of the source tree, the namespace package jaxrl/rollout (no __init__.py) included.
     expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "jaxrl").rglob("*.py")}
     assert expected <= set(names), sorted(expected - set(names))
+
+
+def test_the_readme_wheel_command_builds_the_same_package(dist, tmp_path):
+    """``pip wheel --no-deps -w dist .`` (README, docs/install.md) from a checkout gives the wheel ``build`` does."""
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps", "-w", tmp_path, ".",
+         cwd=dist["src"])
+    (wheel,) = tmp_path.glob("*.whl")
+    assert wheel.name == dist["wheel"].name
+    assert sorted(zipfile.ZipFile(wheel).namelist()) == sorted(zipfile.ZipFile(dist["wheel"]).namelist())
 
 
 def test_twine_check(dist):
