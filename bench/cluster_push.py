@@ -18,10 +18,10 @@ as ``placement`` lays out a cluster. The learner is a random ~100M-parameter Qwe
   broadcasts every tensor to both servers over a gloo process group
   (``/update_weights_from_distributed``); no file.
 
-Each then verifies (version and probe) on the servers its process pushes to. Each round also times the gather alone (what both pushes
-begin with). Prints each push's phases per process, the bytes each host's server received and
-seconds per GB per host, the median ratios over the rounds (the first round warms up and is not
-counted), and
+Each then verifies (version and probe) on the servers its process pushes to. Each round also
+times the gather alone (what every push begins with). Prints each push's phases per process, the
+bytes each host's server received and seconds per GB per host, the median ratios over the rounds
+(the first round warms up and is not counted), and
 
     TARGET host_push_vs_disk: <ratio>x faster in memory (goal >= 2x) met|missed
 
