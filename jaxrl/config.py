@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import sys
 import types
 import typing
 from typing import Any, Mapping, Sequence, TypeVar
@@ -319,6 +320,14 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
 
 
 def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
-    """Loads ``cls`` from a YAML/JSON file (or its defaults when ``path`` is None) plus overrides."""
+    """Loads ``cls`` from a YAML/JSON file (or its defaults when ``path`` is None) plus overrides.
+
+    The file's folder joins the end of ``sys.path``, so a module the config names ("my_rewards:score"
+    for a ``kind: python`` reward, an env factory) may sit beside it, as a user's first task does;
+    reward workers get the same ``sys.path``."""
     data = read_config_file(path) if path is not None else {}
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder not in sys.path:
+            sys.path.append(folder)
     return from_dict(cls, apply_overrides(data, overrides))

@@ -24,7 +24,8 @@ def load_tokenizer(path: str):
 
     A missing folder, a folder with no tokenizer files, a tokenizer.json that is not
     valid JSON or that transformers cannot build, and a tokenizer without an eos token
-    raise ``InputError`` naming the folder or file and what is expected.
+    raise ``InputError`` naming the folder or file and what is expected. A tokenizer without a pad
+    token pads with its eos token (as transformers' own trainers do).
     """
     if not os.path.exists(path):
         raise InputFileNotFoundError(
@@ -56,6 +57,8 @@ def load_tokenizer(path: str):
     if tokenizer.eos_token_id is None:
         raise InputError(f"tokenizer at {path!r} has no eos token; generation could never stop. Set eos_token "
                          "in its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:  # a pad only fills rows and is masked out of every loss: any id does
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 

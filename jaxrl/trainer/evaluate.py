@@ -92,7 +92,7 @@ class _Setup:
         from jaxrl.models import make_mesh
         from jaxrl.rollout.config import make_engine
         from jaxrl.trainer.judges import build_reward_router
-        from jaxrl.trainer.model import build_model
+        from jaxrl.trainer.model import build_model, check_vocabulary
 
         config = self.config
         self.tokenizer = load_tokenizer(config.data.tokenizer)
@@ -103,6 +103,7 @@ class _Setup:
         self.examples = examples[:max_prompts] if max_prompts else examples
         mesh = make_mesh(config.mesh)
         model = build_model(config.model, mesh)
+        check_vocabulary(model, self.tokenizer, config.model, config.data.tokenizer)
         self.model_source = config.model.hf_path or "random init"
         if self.args.checkpoint:
             step = _restore_params(model, self.args.checkpoint)

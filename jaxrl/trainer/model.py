@@ -7,6 +7,7 @@ import jax
 from flax import nnx
 
 from jaxrl.distributed.placement import learner_devices
+from jaxrl.errors import InputError
 from jaxrl.models import Decoder, create_sharded_model, load_hf_checkpoint, make_mesh
 from jaxrl.models.packing import shared_prefix_blocker
 
@@ -27,6 +28,21 @@ def build_model(policy, mesh: jax.sharding.Mesh) -> Decoder:
     config = policy.architecture.replace(**policy.overrides())
     model, _ = create_sharded_model(lambda: Decoder(config, rngs=nnx.Rngs(policy.init_seed)), mesh)
     return model
+
+
+def check_vocabulary(model: Decoder, tokenizer, policy, tokenizer_path: str) -> None:
+    """Refuses (``InputError``: one line, exit 2) a tokenizer with more tokens than the model has
+    embedding rows: its ids past the vocabulary have no row (a gather out of range reads NaN), so
+    training on them gave NaN updates and a learning-rate hint before. A larger model vocabulary
+    (padded, as Qwen3's 151,936 rows for 151,669 tokens) is fine."""
+    tokens, rows = len(tokenizer), model.config.vocab_size
+    if tokens <= rows:
+        return
+    key = (f"vocab_size={rows} in {policy.hf_path}/config.json (model.hf_path)" if policy.hf_path
+           else f"model.architecture.vocab_size={rows}")
+    raise InputError(f"the tokenizer {tokenizer_path!r} (data.tokenizer) has {tokens} tokens and the model only "
+                     f"{rows} ({key}): token ids {rows}..{tokens - 1} would index past its embedding; use the "
+                     f"model's own tokenizer, or a model whose vocab_size is at least {tokens}")
 
 
 def check_update_options(update, model: Decoder, mesh: jax.sharding.Mesh) -> None:

@@ -26,7 +26,7 @@ from jaxrl.trainer.judges import build_reward_router, judge_cache_path
 from jaxrl.trainer.learner import Learner
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_loop
 from jaxrl.trainer.metrics import StageClock
-from jaxrl.trainer.model import learner_mesh
+from jaxrl.trainer.model import check_vocabulary, learner_mesh
 from jaxrl.trainer.rejection_watch import RejectionWatch
 from jaxrl.trainer.stages import (Stage, StepContext, StepRecord, build_stages, frozen_policy_steps,
                                   objective_for_run, sampler_batch)
@@ -70,6 +70,7 @@ class RLTrainer:
         self.objective, why = objective_for_run(config, builds_engine=engine is None)
         log.info("old_logp: %s", why)
         self.learner = Learner(config, self.mesh, self.objective, frozen_policy_steps(config))
+        check_vocabulary(self.learner.model(), self.tokenizer, config.model, data.tokenizer)
         self.context = StepContext(config, self.objective, self.learner, self.mesh, self.tokenizer,
                                    self.stop_token_ids, self.router, self.iterator, self.envs, self._warn,
                                    on_error=self.errors.append)

@@ -24,7 +24,7 @@ from jaxrl.distributed import host_memory
 from jaxrl.losses.aggregation import aggregate_loss
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
-from jaxrl.trainer.model import build_model, learner_mesh
+from jaxrl.trainer.model import build_model, check_vocabulary, learner_mesh
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_loop
@@ -61,6 +61,7 @@ class SFTTrainer:
         self.mesh = learner_mesh(config)
         host_memory.keep_freed_memory(self.mesh)
         model = build_model(config.model, self.mesh)
+        check_vocabulary(model, self.tokenizer, config.model, config.data.tokenizer)
         self.total_steps = sum(s.steps for s in config.sft.stages)
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_steps)
         self.train_step, self.state = make_train_step(
