@@ -384,6 +384,7 @@ def save_hf_checkpoint(model: Decoder, path: str) -> None:
     if distributed.is_main_process():
         os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(os.path.join(path, "model.safetensors"), 0o644)  # safetensors writes it 0600, unlike any save
         # config.json last and whole (renamed into place): a folder with one holds a complete checkpoint.
         with open(os.path.join(path, "config.json.tmp"), "w") as f:
             json.dump(config.to_hf(), f, indent=2, sort_keys=True)

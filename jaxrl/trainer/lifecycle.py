@@ -30,8 +30,8 @@ import jax
 import numpy as np
 
 from jaxrl.errors import InputError
-from jaxrl.models import save_hf_checkpoint
 from jaxrl.trainer.checkpoint import Checkpointer
+from jaxrl.trainer.export import export_hf
 from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.plots import fit_run_entropy_law, plot_run
 
@@ -338,7 +338,7 @@ def run_loop(trainer, total_steps: int, evaluate: Callable[[], dict] | None = No
         if trainer.checkpointer is not None:
             trainer.checkpointer.wait()
         if config.checkpoint.export_hf:
-            save_hf_checkpoint(trainer.model(), config.checkpoint.export_hf)
+            export_hf(trainer.model(), trainer.tokenizer, config.model.hf_path, config.checkpoint.export_hf)
             summary["hf_export"] = config.checkpoint.export_hf
     finally:
         logger.close()
