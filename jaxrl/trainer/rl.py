@@ -27,7 +27,7 @@ from jaxrl.trainer.learner import Learner
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_loop
 from jaxrl.trainer.metrics import StageClock
 from jaxrl.trainer.model import check_vocabulary, learner_mesh
-from jaxrl.trainer.rejection_watch import RejectionWatch
+from jaxrl.trainer.learning_watch import LearningWatch
 from jaxrl.trainer.stages import (Stage, StepContext, StepRecord, build_stages, frozen_policy_steps,
                                   objective_for_run, sampler_batch)
 from jaxrl.trainer.stages.rollout import sampling_params, sampling_seed
@@ -75,7 +75,7 @@ class RLTrainer:
                                    self.stop_token_ids, self.router, self.iterator, self.envs, self._warn,
                                    on_error=self.errors.append)
         self.stages = build_stages(self.context, extra_stages)
-        self.rejections = RejectionWatch.for_objective(self.objective, self._warn)
+        self.watch = LearningWatch.for_objective(self.objective, self._warn)
         self.step = 0
         self.checkpointer = open_run(config, resume=resume, overwrite=overwrite)
         if resume:
@@ -124,7 +124,7 @@ class RLTrainer:
             with clock(stage.name, timed=stage.timed):
                 record, stage_metrics = stage(record, step)
             metrics.update(stage_metrics)
-        self.rejections.observe(step, metrics)
+        self.watch.observe(step, metrics)
         self.step = step
         return {**metrics, "data/bad_rows": self.data_report.bad_rows, **clock.metrics(tokens=record.batch.num_tokens)}
 
@@ -173,9 +173,15 @@ class RLTrainer:
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         """Trains to ``config.steps`` (``lifecycle.run_loop``); returns the summary with
-        ``rejection_watch``'s lines."""
-        evaluate = self.evaluate if self.eval_examples else None
-        return self.rejections.add_to(run_loop(self, self.config.steps, evaluate))
+        ``learning_watch``'s lines."""
+        evaluate = self._evaluate_watched if self.eval_examples else None
+        return self.watch.add_to(run_loop(self, self.config.steps, evaluate))
+
+    def _evaluate_watched(self) -> dict[str, float]:
+        metrics = self.evaluate()
+        if self.step == 0:  # the held-out start: is there anything to learn?
+            self.watch.observe_start(metrics)
+        return metrics
 
     def close(self) -> None:
         if self.checkpointer is not None:

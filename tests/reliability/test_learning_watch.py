@@ -1,4 +1,6 @@
-"""A rejection that drops most of the batch step after step says so, and Geo-RS's default band lets the demo learn.
+"""A run that stops learning says so: a rejection that drops most of the batch step after step, a batch
+with nothing to learn from (one reward per group) or a held-out reward already at its maximum; and
+Geo-RS's default band lets the demo learn.
 
 Before: in the three committed mismatch experiments (docs/experiments/mismatch/report.md) Geo-RS's band
 [0.999, 1.001] dropped nearly every sequence of the demo's short responses and the held-out reward collapsed
@@ -21,7 +23,7 @@ from flax import nnx
 from jaxrl.config import load_config
 from jaxrl.losses.objective import ObjectiveConfig
 from jaxrl.trainer.metrics import read_jsonl
-from jaxrl.trainer.rejection_watch import MOST, STEPS_IN_A_ROW, RejectionWatch
+from jaxrl.trainer.learning_watch import MOST, NEARLY_ALL, STEPS_IN_A_ROW, LearningWatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "configs", "demo.yaml")
@@ -51,7 +53,7 @@ def demo_overrides(tmp_path_factory) -> list[str]:
 # ------------------------------------------------------------------ the rule
 def _watch(**objective):
     warnings = []
-    return RejectionWatch.for_objective(ObjectiveConfig(**objective), warnings.append), warnings
+    return LearningWatch.for_objective(ObjectiveConfig(**objective), warnings.append), warnings
 
 
 def test_the_rule_warns_once_per_streak_of_steps_that_drop_most_tokens():
@@ -98,7 +100,54 @@ def test_the_rule_watches_each_rejection_and_the_batch_filter_but_no_is_weight()
     assert warnings == [] and only_is.add_to({"metrics": "m"}) == {"metrics": "m"}
 
 
+ZERO_VARIANCE = "advantage/zero_variance_group_fraction"
+NOTHING_TO_LEARN = (
+    "rollout.group_size samples of a prompt got one reward in more than 95% of the groups on {steps} ({shares}"
+    "advantage/zero_variance_group_fraction)")
+
+
+def test_the_rule_warns_when_nearly_every_group_has_one_reward_or_the_heldout_starts_at_the_top():
+    """Before: a reward that never varies (too easy, too hard, a constant function) trained to the end with
+    zero gradients and exited 0 in silence. Now more than 95% constant groups three steps in a row warn, and
+    a held-out reward starting at 1.0 does; exactly 95% and a start below 1.0 do not."""
+    assert NEARLY_ALL == 0.95
+    watch, warnings = _watch()
+    watch.observe_start({"heldout/reward": 0.999})
+    for step, fraction in {1: 1.0, 2: 0.95, 3: 1.0, 4: 0.97, 5: 1.0}.items():
+        watch.observe(step, {ZERO_VARIANCE: fraction})
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "step 5: warning: " + NOTHING_TO_LEARN.format(steps="each of steps 3-5", shares="100%, 97%, 100%; "))
+    assert "their advantages are zero" in warnings[0] and "jaxrl filter" in warnings[0]
+    watch.observe_start({"heldout/reward": 1.0})
+    assert warnings[1].startswith("step 0: warning: the held-out reward starts at 1.000, the built-in rewards' "
+                                  "maximum: RL has nothing left to gain")
+    lines = watch.add_to({})
+    assert list(lines) == ["nothing_to_learn"] and len(lines["nothing_to_learn"]) == 2
+    assert lines["nothing_to_learn"][0].startswith(NOTHING_TO_LEARN.format(steps="steps 3-5",
+                                                                           shares="mean 99%; "))
+
+
 # ------------------------------------------------------------------ through the trainer
+def test_a_reward_that_never_varies_is_said_on_the_terminal_and_in_the_summary(demo_overrides, tmp_path):
+    """Every response matches the format pattern "^", so every sample scores 1: the held-out reward starts
+    at 1.0 and every group is constant on every step."""
+    out = tmp_path / "out"
+    heldout = next(o for o in demo_overrides if o.startswith("data.train_files=")).replace(
+        "data.train_files=", "data.eval_files=").replace("train.jsonl", "heldout.jsonl")
+    jaxrl = os.path.join(os.path.dirname(sys.executable), "jaxrl")
+    done = subprocess.run([jaxrl, "train", DEMO, *demo_overrides, f"output_dir={out}", heldout, "eval.max_prompts=8",
+                           'reward.tasks={math: {kind: format, pattern: "^"}}'],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [row[ZERO_VARIANCE] for row in read_jsonl(str(out / "metrics.jsonl")) if ZERO_VARIANCE in row] == \
+        [1.0] * STEPS
+    assert done.stdout.count("step 3: warning: " + NOTHING_TO_LEARN.format(
+        steps="each of steps 1-3", shares="100%, 100%, 100%; ")) == 1
+    assert done.stdout.count("step 0: warning: the held-out reward starts at 1.000") == 1
+    summary = json.loads(done.stdout[done.stdout.rindex("\n{") + 1:])
+    assert len(summary["nothing_to_learn"]) == 2 and "rejection_warnings" not in summary
+
+
 def test_a_band_that_rejects_everything_is_said_on_the_terminal_and_in_the_summary(demo_overrides, tmp_path):
     """Before: ``jaxrl train`` dropping every token of every step exited 0 with nothing on the terminal
     and a summary without a word of it. The band here excludes 1 (the embedded sampler matches the
