@@ -2,13 +2,18 @@
 
   jaxrl align report DUMP.npz --out DIR [gate options]
       metrics, figures and gate for a batch dump saved by the trainer.
-  jaxrl align run --model HF_DIR --prompts PROMPTS.jsonl --out DIR [engine] [sampling] [gate options]
+  jaxrl align run --model HF_DIR --prompts PROMPTS.jsonl --out DIR [--tokenizer DIR] [engine] [sampling] [gate]
       samples with an engine, recomputes with the learner (HF_DIR loaded into JAX), then as
       `report`. Engines: the embedded JAX sampler (default, --engine jax); SGLang servers
       already running (--engine sglang --server-url URL [--server-url URL ...]); or an SGLang
       server started for HF_DIR and stopped afterwards (--engine sglang --launch).
   jaxrl align localize --model HF_DIR --prompts PROMPTS.jsonl --out DIR --path PATH
       diffs activations module by module, layer by layer between two paths.
+
+PROMPTS.jsonl holds one prompt per line: a list of token ids, {"prompt_ids": [...]}, or, with
+--tokenizer DIR, text ("a string" or {"prompt": "..."}) that the tokenizer encodes (--chat-template:
+as a user turn of its chat template); with --tokenizer, `run` also stops at its eos and the
+model's own eos ids (jaxrl.data.stop_token_ids) besides any --stop-id.
 
 Exit status: 0 when the gate passes (or none is set), 1 when it fails or a
 module exceeds the localisation tolerance, 2 on bad input, with one line naming
@@ -110,8 +115,9 @@ def _check_save_dump(path: str | None) -> None:
         raise InputError(f"--save-dump {path!r}: folder {parent!r} does not exist")
 
 
-def _read_prompts(path: str) -> list[list[int]]:
-    """JSON lines, each a list of token ids or an object with "prompt_ids"; errors name the 1-based line."""
+def _read_prompts(path: str, tokenizer=None, chat_template: bool = False) -> list[list[int]]:
+    """JSON lines, each a list of token ids or an object with "prompt_ids", or with ``tokenizer`` text (a
+    string or an object with "prompt"), encoded; errors name the 1-based line."""
     if not os.path.isfile(path):
         problem = "is a folder" if os.path.isdir(path) else "does not exist"
         error = InputError if os.path.isdir(path) else InputFileNotFoundError
@@ -133,15 +139,32 @@ def _read_prompts(path: str) -> list[list[int]]:
                 item = json.loads(line)
             except (json.JSONDecodeError, RecursionError) as e:
                 raise InputError(f"{path} line {row}: not JSON ({one_line(e)})") from None
-            ids = item.get("prompt_ids") if isinstance(item, dict) else item
+            ids = item.get("prompt_ids", item.get("prompt")) if isinstance(item, dict) else item
+            if isinstance(ids, str):
+                if tokenizer is None:
+                    raise InputError(f"{path} line {row}: a text prompt needs --tokenizer DIR to encode it "
+                                     f"(or give token ids)")
+                from jaxrl.data import encode_prompt  # transformers: imported for text prompts only
+
+                ids = encode_prompt(tokenizer, ids, use_chat_template=chat_template) if ids else []
             if not isinstance(ids, list) or not ids or not all(
                     isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise InputError(f"{path} line {row}: expected a non-empty list of token ids "
-                                 f"(or {{\"prompt_ids\": [...]}}), got {line.strip()[:80]!r}")
+                raise InputError(f"{path} line {row}: expected a non-empty list of token ids (or "
+                                 f"{{\"prompt_ids\": [...]}}; text with --tokenizer), got {line.strip()[:80]!r}")
             prompts.append(ids)
     if not prompts:
         raise InputError(f"{path} holds no prompts")
     return prompts
+
+
+def _prompts(args):
+    """The --prompts file's token ids, and the --tokenizer that encoded its text (None without one)."""
+    tokenizer = None
+    if args.tokenizer:
+        from jaxrl.data import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    return _read_prompts(args.prompts, tokenizer, args.chat_template), tokenizer
 
 
 def _check_model_folder(path: str) -> None:
@@ -238,6 +261,15 @@ def _collect_with_sglang(servers, args, prompts, params):
             servers.stop()
 
 
+def _stop_ids(args, tokenizer) -> tuple[int, ...]:
+    """--stop-id, and with --tokenizer its eos and the model's own eos ids (what the trainer stops at)."""
+    if tokenizer is None:
+        return tuple(args.stop_id)
+    from jaxrl.data import stop_token_ids
+
+    return tuple(dict.fromkeys([*args.stop_id, *stop_token_ids(tokenizer, args.model)]))
+
+
 def _cmd_run(args) -> int:
     from jaxrl.align.check import collect, score_with_learner
     from jaxrl.rollout.base import SamplingParams
@@ -245,7 +277,7 @@ def _cmd_run(args) -> int:
     _check_engine_options(args)
     _check_out(args.out)
     _check_save_dump(args.save_dump)
-    prompts = _read_prompts(args.prompts)
+    prompts, tokenizer = _prompts(args)
     _check_model_folder(args.model)
     # Cheap checks first: an unreachable server or a bad checkpoint fails before a server starts.
     servers = None
@@ -254,7 +286,7 @@ def _cmd_run(args) -> int:
     mesh = _parse_mesh(args.mesh)
     model = _load_model(args, mesh)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_id),
+                            max_new_tokens=args.max_new_tokens, stop_token_ids=_stop_ids(args, tokenizer),
                             seed=args.seed, logprob_kind=args.logprob_kind)
     if servers is not None:
         batch = _collect_with_sglang(servers, args, prompts, params)
@@ -275,7 +307,7 @@ def _cmd_localize(args) -> int:
     from jaxrl.align import localize
 
     _check_out(args.out)
-    prompts = _read_prompts(args.prompts)[:args.batch]
+    prompts = _prompts(args)[0][:args.batch]
     length = min(len(p) for p in prompts)
     if length < 2:
         raise InputError(f"{args.prompts}: localisation needs prompts of at least 2 tokens; the shortest has {length}")
@@ -312,7 +344,11 @@ def _cmd_localize(args) -> int:
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="transformers Qwen3 / Qwen3-MoE checkpoint folder")
-    p.add_argument("--prompts", required=True, help="JSON lines of token-id lists (or {\"prompt_ids\": [...]})")
+    p.add_argument("--prompts", required=True, help="JSON lines of token-id lists (or {\"prompt_ids\": [...]}); "
+                                                    "with --tokenizer, text too")
+    p.add_argument("--tokenizer", help="tokenizer folder to encode text prompts with (\"text\" or {\"prompt\": ...})")
+    p.add_argument("--chat-template", action="store_true",
+                   help="with --tokenizer: each text prompt as a user turn of the tokenizer's chat template")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="matmul compute dtype (default: the model's)")
     p.add_argument("--mesh", help="mesh sizes, e.g. fsdp=2,tensor=2 (default: one device)")

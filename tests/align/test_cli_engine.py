@@ -3,6 +3,7 @@
 import json
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -48,9 +49,36 @@ def test_localize_decode_path_and_bad_prompts(checkpoint, tmp_path, capsys):
     result = json.loads((out / "localization.json").read_text())
     assert result["first_divergence"] is None and (out / "localization.png").stat().st_size > 5000
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('[1, 2]\n"oops"\n')
+    bad.write_text('[1, 2]\n[3, "x"]\n')
     capsys.readouterr()
     assert main(["localize", "--model", model, "--prompts", str(bad), "--out", str(out)]) == 2
     # The error names the file's line and quotes what it holds there.
     err = capsys.readouterr().err
-    assert "bad.jsonl line 2" in err and "got '\"oops\"'" in err, err
+    assert "bad.jsonl line 2" in err and "got '[3, \"x\"]'" in err, err
+    bad.write_text('[1, 2]\n"oops"\n')
+    assert main(["localize", "--model", model, "--prompts", str(bad), "--out", str(out)]) == 2
+    assert "bad.jsonl line 2: a text prompt needs --tokenizer DIR to encode it" in capsys.readouterr().err
+
+
+def test_text_prompts_with_a_tokenizer_sample_what_their_token_ids_do(checkpoint, tmp_path):
+    """``--tokenizer``: text prompts (a string, or {"prompt": ...}) are encoded as the trainer encodes
+    them, and the tokenizer's eos joins the stop ids: the same run as with the ids and --stop-id."""
+    from jaxrl.data import make_char_tokenizer
+
+    model, _ = checkpoint
+    tokenizer = make_char_tokenizer(str(tmp_path / "tokenizer"), alphabet="abcdefghij +=")
+    texts = ["abc+de=", {"prompt": "j i h"}]
+    text_file, ids_file = tmp_path / "text.jsonl", tmp_path / "ids.jsonl"
+    text_file.write_text("\n".join(json.dumps(t) for t in texts) + "\n")
+    ids = [tokenizer.encode(t if isinstance(t, str) else t["prompt"], add_special_tokens=False) for t in texts]
+    ids_file.write_text("\n".join(json.dumps(i) for i in ids) + "\n")
+    common = ["run", "--model", model, "--n", "2", "--max-new-tokens", "6", "--max-batch", "4",
+              "--max-cache-len", "32", "--no-figures", "--seed", "3"]
+    assert main([*common, "--prompts", str(text_file), "--tokenizer", str(tmp_path / "tokenizer"),
+                 "--out", str(tmp_path / "text"), "--save-dump", str(tmp_path / "text.npz")]) == 0
+    assert main([*common, "--prompts", str(ids_file), "--stop-id", str(tokenizer.eos_token_id),
+                 "--out", str(tmp_path / "ids"), "--save-dump", str(tmp_path / "ids.npz")]) == 0
+    text_run, ids_run = np.load(tmp_path / "text.npz"), np.load(tmp_path / "ids.npz")
+    np.testing.assert_array_equal(text_run["token_ids"], ids_run["token_ids"])
+    meta = json.loads((tmp_path / "text" / "report.json").read_text())["meta"]
+    assert meta["sampling"]["stop_token_ids"] == [tokenizer.eos_token_id]
