@@ -63,3 +63,40 @@ def test_code_points_at_nothing_outside_the_repository():
     for path in SOURCES:
         assert not outside.search(path.read_text(errors="replace")), (
             f"{path.relative_to(ROOT)} points outside the repository")
+
+
+def _config_keys(cls, prefix: str = ""):
+    """Every dotted key of a config dataclass, nested sections included (a model's architecture is a
+    transformers config.json's fields, documented by transformers)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if field.name.startswith("_"):
+            continue
+        kind = hints[field.name]
+        sections = [kind] if dataclasses.is_dataclass(kind) else [
+            a for a in (*typing.get_args(kind), *(b for a in typing.get_args(kind) for b in typing.get_args(a)))
+            if dataclasses.is_dataclass(a)]
+        yield prefix + field.name
+        if sections and field.name != "architecture":
+            yield from _config_keys(sections[0], f"{prefix}{field.name}.")
+
+
+def test_every_config_key_is_named_in_the_docs():
+    """A user reading a config finds each key in docs/ (training.md's sections, or the page of its
+    subsystem): in backticks, whole or by a trailing part (`push.group_port`, `group_port`), or as a
+    YAML key."""
+    from jaxrl.trainer.config import TrainConfig
+
+    docs = "".join(page.read_text() for page in sorted((ROOT / "docs").rglob("*.md")))
+    keys = list(_config_keys(TrainConfig))
+
+    def named(key: str) -> bool:
+        parts = key.split(".")
+        tails = [".".join(parts[i:]) for i in range(len(parts))]
+        return any(f"`{tail}`" in docs for tail in tails) or f"{parts[-1]}:" in docs
+
+    missing = [key for key in keys if not named(key)]
+    assert len(keys) > 250 and not missing, missing
