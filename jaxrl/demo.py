@@ -272,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in task.report(summary):
         print(f"[demo] {line}")
     if "entropy_law" in summary:
+        from jaxrl.trainer.plots import law_equation
+
         law = summary["entropy_law"]
-        print(f"[demo] entropy law R = -{law['a']:.3g} exp(H) + {law['b']:.3g}: predicted ceiling {law['ceiling']:.3f} "
+        beyond = ", beyond the reward's range [0, 1]: an extrapolation" if law["ceiling_beyond_range"] else ""
+        print(f"[demo] entropy law {law_equation(law['a'], law['b'])}: predicted ceiling {law['ceiling']:.3f}{beyond} "
               f"(fit RMSE {law['rmse']:.3g})")
     print(f"[demo] time: SFT {sft_done - start:.0f} s, RL {end - sft_done:.0f} s, total {end - start:.0f} s")
     print(f"[demo] metrics: {summary['metrics']} (TensorBoard: tensorboard --logdir {root}/rl/tb)")

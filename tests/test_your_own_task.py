@@ -51,4 +51,11 @@ def test_every_step_of_the_page_runs_as_written(tmp_path):
     # (0.21 -> 0.64 on the page's machine; a flipped or constant reward cannot).
     assert len(heldout) == 2 and heldout[1] > heldout[0] + 0.1, heldout
     results = json.loads((task / "runs" / "eval.json").read_text())
-    assert "sort" in json.dumps(results) and (task / "runs" / "rl" / "plots").is_dir()
+    assert "sort" in json.dumps(results) and len(results["completions"]) == 4
+    # What the page promises to read: held-out completions at the first and last evaluation, the RL
+    # health panel and the SFT loss plot.
+    shown = [json.loads(line) for line in (task / "runs" / "rl" / "completions.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in shown] == [0] * 4 + [10] * 4
+    assert all(row["prompt"].startswith("sort ") and row["task"] == "sort" for row in shown)
+    assert (task / "runs" / "rl" / "plots" / "health.png").is_file()
+    assert (task / "runs" / "sft" / "plots" / "loss.png").is_file()

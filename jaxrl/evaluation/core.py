@@ -69,6 +69,7 @@ class EvalResult:
     overall: TaskScores
     sampling: dict
     environment: dict = dataclasses.field(default_factory=dict)
+    completions: tuple[dict, ...] = ()  # a few samples to read: prompt, response, reward, task
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """Flat metrics for the trainer's log: ``PREFIX/reward`` (the overall avg@n),
@@ -89,7 +90,8 @@ class EvalResult:
 
         return {"sampling": self.sampling, "overall": plain(self.overall),
                 "tasks": {t: plain(s) for t, s in self.tasks.items()},
-                **({"environment": self.environment} if self.environment else {})}
+                **({"environment": self.environment} if self.environment else {}),
+                **({"completions": list(self.completions)} if self.completions else {})}
 
     def table(self) -> str:
         """A plain-text table: one row per task and one for all prompts."""
@@ -150,10 +152,12 @@ def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: S
     if not examples:
         raise ValueError("evaluate: no prompts to score")
     step = chunk_prompts or len(examples)
-    scores, unparsable, tasks = [], [], []
+    scores, unparsable, tasks, completions = [], [], [], []
     for start in range(0, len(examples), step):
         chunk = examples[start:start + step]
-        _, scored = sample_and_score(engine, router, tokenizer, chunk, params, n, on_error, generate)
+        samples, scored = sample_and_score(engine, router, tokenizer, chunk, params, n, on_error, generate)
+        if not completions:
+            completions = _completions(tokenizer, chunk, samples, scored, n)
         scores.append(scored.scores.reshape(len(chunk), n))
         unparsable.append(scored.unparsable.reshape(len(chunk), n))
         tasks.extend(scored.tasks[::n])
@@ -161,4 +165,14 @@ def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: S
     per_task = {t: TaskScores.of(all_scores[task_of == t], all_unparsable[task_of == t], ks)
                 for t in sorted(set(tasks))}
     return EvalResult(tasks=per_task, overall=TaskScores.of(all_scores, all_unparsable, ks),
-                      sampling=sampling_record(params, n))
+                      sampling=sampling_record(params, n), completions=tuple(completions))
+
+
+COMPLETIONS_SHOWN = 4  # prompts whose first sample an evaluation keeps to be read (logs, TensorBoard, --json)
+
+
+def _completions(tokenizer, examples: Sequence[Example], samples, scored: ScoredBatch, n: int) -> list[dict]:
+    """The first sample of each of the first ``COMPLETIONS_SHOWN`` prompts, decoded as the reward read it."""
+    return [{"prompt": e.prompt, "response": tokenizer.decode(samples[i][0].model_ids, skip_special_tokens=True),
+             "reward": float(scored.scores[i * n]), "task": str(scored.tasks[i * n])}
+            for i, e in enumerate(examples[:COMPLETIONS_SHOWN])]

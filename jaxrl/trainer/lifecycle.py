@@ -304,14 +304,19 @@ def end_step(stop: StopSignals, checkpointer: Checkpointer | None, step: int, sa
     raise TrainingInterrupted(signum, step, checkpointer.directory)
 
 
+# The key of a few held-out completions in what ``evaluate`` returns (a tuple of dicts, not a metric).
+COMPLETIONS = "heldout/completions"
+
+
 def run_loop(trainer, total_steps: int, evaluate: Callable[[], dict] | None = None) -> dict[str, Any]:
     """A trainer's run to ``total_steps``, RL and SFT alike; returns the summary.
 
     ``trainer`` has ``config``, ``step``, ``train_step_once()`` (the metrics of one step),
     ``errors`` (lines for the log, emptied after each step), ``checkpointer``, ``save()`` and
-    ``model()``. Per step: the metrics to JSONL, TensorBoard and the progress bar, the step's
+    ``model()``. Per step: the metrics to JSONL, TensorBoard and the progress, the step's
     messages, a checkpoint on schedule, a stop on a signal after the current step. With
-    ``evaluate`` (held-out metrics), an evaluation before the first step of a fresh run, every
+    ``evaluate`` (held-out metrics, and under ``COMPLETIONS`` a few completions for
+    ``completions.jsonl`` and TensorBoard), an evaluation before the first step of a fresh run, every
     ``eval.every`` steps and after the last. At the end: the checkpoint written, the HF export
     (``checkpoint.export_hf``), the plots and, when the run logged entropy and reward, the
     entropy-performance law fitted to them."""
@@ -324,12 +329,14 @@ def run_loop(trainer, total_steps: int, evaluate: Callable[[], dict] | None = No
             if trainer.step == 0 and evaluate is not None:
                 start = evaluate()
                 summary["heldout_start"] = start.get("heldout/reward")
+                logger.completions(0, start.pop(COMPLETIONS, ()))
                 logger.log(0, start)
             while trainer.step < total_steps:
                 metrics = trainer.train_step_once()
                 final = trainer.step == total_steps
                 if evaluate is not None and (final or (config.eval.every and trainer.step % config.eval.every == 0)):
                     metrics.update(evaluate())
+                    logger.completions(trainer.step, metrics.pop(COMPLETIONS, ()))
                 logger.log(trainer.step, metrics)
                 for message in trainer.errors:
                     logger.write(message if message.startswith("step ") else f"step {trainer.step}: {message}")
@@ -351,6 +358,6 @@ def run_loop(trainer, total_steps: int, evaluate: Callable[[], dict] | None = No
         summary["plots"] = plot_run(rows, os.path.join(config.output_dir, "plots"))
     fit = fit_run_entropy_law(rows)
     if fit is not None:
-        summary["entropy_law"] = {k: fit[k] for k in ("a", "b", "ceiling", "rmse")}
+        summary["entropy_law"] = {k: fit[k] for k in ("a", "b", "ceiling", "ceiling_beyond_range", "rmse")}
     summary["metrics"] = logger.jsonl_path
     return summary

@@ -1,4 +1,5 @@
-"""Per-step metrics to TensorBoard event files, a JSONL log and a terminal progress bar.
+"""Per-step metrics to TensorBoard event files, a JSONL log and the progress (a bar on a terminal,
+a plain line every few steps in a log file).
 
 The JSONL file holds one object per step: ``{"step": k, "<name>": value, ...}``.
 On resume, lines of steps after the restored step are dropped first, so a resumed
@@ -13,15 +14,18 @@ import json
 import logging
 import math
 import os
+import sys
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-# What the progress bar shows, when present.
+# What the progress shows, when present.
 _BAR_KEYS = {"reward": "reward/mean", "entropy": "recompute/entropy", "loss": "update/loss", "time": "time/step"}
+# Plain progress lines per run when the output is not a terminal.
+PLAIN_LINES = 20
 
 
 def _scalar(value) -> float | None:
@@ -88,8 +92,78 @@ class _TensorBoard:
                                                            summary=scalar(name, value)))
         self._writer.flush()
 
+    def text(self, step: int, tag: str, rows: Sequence[Mapping]) -> None:
+        """``rows`` as one markdown table (TensorBoard's Text tab), a column per key of the first row."""
+        from tensorboardX.summary import text
+
+        columns = list(rows[0])
+
+        def cell(value) -> str:
+            return str(value).replace("|", "\\|").replace("\n", " ")
+
+        table = "\n".join([" | ".join(columns), " | ".join("---" for _ in columns),
+                           *(" | ".join(cell(row.get(c, "")) for c in columns) for row in rows)])
+        self._writer.write_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=text(tag, table)))
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
+
+
+def _drop_after(path: str, step: int) -> None:
+    """Rewrites a JSONL log of ``{"step": ...}`` rows without those after ``step`` (a resume's)."""
+    kept = [row for row in read_jsonl(path) if row.get("step", 0) <= step]
+    with open(path, "w") as f:
+        for row in kept:
+            f.write(json.dumps(row) + "\n")
+
+
+def _shown(row: Mapping[str, float | None]) -> dict[str, str]:
+    return {label: f"{row[k]:.3g}" for label, k in _BAR_KEYS.items() if row.get(k) is not None}
+
+
+class _Bar:
+    """A tqdm bar on a terminal; it shows the step reached (the held-out evaluation logged at step 0 is no step)."""
+
+    def __init__(self, total: int, start: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
+
+    def show(self, step: int, row: Mapping[str, float | None]) -> None:
+        self.bar.update(max(step - self.bar.n, 0))
+        self.bar.set_postfix(_shown(row))
+
+    def write(self, message: str) -> None:
+        self.bar.write(message)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _Lines:
+    """Progress where the output is a file (CI, nohup, a scheduler's log): a bar's carriage-return
+    redraws pile up there as one endless line, so one plain line every ``total / PLAIN_LINES``
+    steps and at the last, with the elapsed time and an estimate of what is left."""
+
+    def __init__(self, total: int, start: int):
+        self.total, self.start, self.every = total, start, max(1, round(total / PLAIN_LINES))
+        self.began = time.perf_counter()
+
+    def show(self, step: int, row: Mapping[str, float | None]) -> None:
+        if step <= self.start or (step % self.every and step != self.total):
+            return
+        elapsed = time.perf_counter() - self.began
+        left = elapsed / (step - self.start) * (self.total - step)
+        shown = "".join(f" | {label} {value}" for label, value in _shown(row).items())
+        print(f"train step {step}/{self.total} ({step / max(self.total, 1):.0%}){shown} | {elapsed:.0f} s elapsed, "
+              f"~{left:.0f} s left", file=sys.stderr, flush=True)
+
+    def write(self, message: str) -> None:
+        print(message, flush=True)
+
+    def close(self) -> None:
+        pass
 
 
 class MetricsLogger:
@@ -97,6 +171,7 @@ class MetricsLogger:
 
     logdir: folder for ``metrics.jsonl`` and TensorBoard events (``tb/``).
     start_step: the step training continues from (0 for a fresh run).
+    progress: a bar on a terminal, plain lines otherwise (``_Lines``).
     A write that fails (a full disk) raises ``MetricsWriteError`` naming ``logdir`` and the file.
     """
 
@@ -104,21 +179,17 @@ class MetricsLogger:
                  tensorboard: bool = True):
         self.logdir = logdir
         self.jsonl_path = os.path.join(logdir, "metrics.jsonl")
-        self._jsonl = self._tb = self._bar = None
+        self._jsonl = self._tb = self._progress = None
         with self._writing(self.jsonl_path):
             os.makedirs(logdir, exist_ok=True)
-            kept = [row for row in read_jsonl(self.jsonl_path) if row.get("step", 0) <= start_step]
-            with open(self.jsonl_path, "w") as f:
-                for row in kept:
-                    f.write(json.dumps(row) + "\n")
+            for path in (self.jsonl_path, os.path.join(logdir, "completions.jsonl")):
+                _drop_after(path, start_step)
             self._jsonl = open(self.jsonl_path, "a")
         if tensorboard:
             with self._writing(os.path.join(logdir, "tb")):
                 self._tb = _TensorBoard(os.path.join(logdir, "tb"), start_step + 1 if start_step else None)
         if progress:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            self._progress = (_Bar if sys.stderr.isatty() else _Lines)(total_steps, start_step)
 
     @contextlib.contextmanager
     def _writing(self, path: str):
@@ -141,23 +212,34 @@ class MetricsLogger:
         if self._tb is not None:
             with self._writing(self._tb.path):
                 self._tb.scalars(int(step), {k: v for k, v in row.items() if k != "step" and v is not None})
-        if self._bar is not None:
-            # The bar shows the step reached: the held-out evaluation logged at step 0 is no step.
-            self._bar.update(max(int(step) - self._bar.n, 0))
-            self._bar.set_postfix({label: f"{row[k]:.3g}" for label, k in _BAR_KEYS.items() if row.get(k) is not None})
+        if self._progress is not None:
+            self._progress.show(int(step), row)
         return row
+
+    def completions(self, step: int, completions: Sequence[Mapping]) -> None:
+        """A few held-out completions of ``step`` (prompt, response, reward, task): a line each in
+        ``completions.jsonl`` and one TensorBoard text summary, to read what the model writes."""
+        if not completions:
+            return
+        path = os.path.join(self.logdir, "completions.jsonl")
+        with self._writing(path), open(path, "a") as f:
+            for completion in completions:
+                f.write(json.dumps({"step": int(step), **completion}) + "\n")
+        if self._tb is not None:
+            with self._writing(self._tb.path):
+                self._tb.text(int(step), "heldout/completions", completions)
 
     def write(self, message: str) -> None:
         """A line on the terminal that does not break the progress bar."""
-        if self._bar is not None:
-            self._bar.write(message)
+        if self._progress is not None:
+            self._progress.write(message)
         else:
             print(message, flush=True)
 
     def close(self) -> None:
         """Closes the files; one that cannot be flushed any more (the disk filled) is closed without
         a second error, the first having been raised by ``log``."""
-        for thing in (self._jsonl, self._tb, self._bar):
+        for thing in (self._jsonl, self._tb, self._progress):
             if thing is not None:
                 with contextlib.suppress(OSError):
                     thing.close()

@@ -24,7 +24,7 @@ from jaxrl.trainer.checkpoint import CheckpointMismatchError
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.judges import build_reward_router, judge_cache_path
 from jaxrl.trainer.learner import Learner
-from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_loop
+from jaxrl.trainer.lifecycle import COMPLETIONS, check_fresh_start, open_run, run_loop
 from jaxrl.trainer.metrics import StageClock
 from jaxrl.trainer.model import check_vocabulary, learner_mesh
 from jaxrl.trainer.learning_watch import LearningWatch
@@ -142,7 +142,8 @@ class RLTrainer:
         result = evaluate(self.engine, self.router, self.tokenizer, self.eval_examples, params, e.samples, e.k,
                           on_error=self.errors.append, generate=conversations)
         return {**result.metrics("heldout"), **{f"heldout/{k}": v for k, v in self.router.take_metrics().items()},
-                **{f"heldout/{k}": v for k, v in environment_metrics(played).items()}}
+                **{f"heldout/{k}": v for k, v in environment_metrics(played).items()},
+                COMPLETIONS: result.completions}
 
     # ---------------------------------------------------------------- checkpoints
     def save(self) -> None:
