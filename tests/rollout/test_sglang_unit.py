@@ -119,6 +119,34 @@ def test_server_command_and_environment_follow_the_cpu_recipe():
     assert "--attention-backend" not in processed.command(30000, "/m", "default")
 
 
+# Stands in for SGLang's entry point: parses --api-key as SGLang's server_args does (one value).
+_ARGPARSE_SERVER = """
+import argparse, json
+parser = argparse.ArgumentParser()
+parser.add_argument("--port", type=int)
+parser.add_argument("--api-key", type=str, default=None)
+print(json.dumps(vars(parser.parse_args())))
+"""
+
+
+@pytest.mark.parametrize("key", ["-starts-with-a-dash", "plain_key", ""])
+def test_the_launcher_hands_any_api_key_to_the_server(tmp_path, key):
+    """Before: ``--api-key KEY`` as two arguments, so a key starting with "-" (1 in 64 of
+    ``secrets.token_urlsafe``'s) read as a missing value: "argument --api-key: expected one argument",
+    and the suite's keyed fleet failed to start, every SGLang test with it."""
+    from jaxrl.rollout.sglang.processes import LAUNCH_API_KEY_ENV, LAUNCHER
+
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "launch_server.py").write_text(_ARGPARSE_SERVER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "JAXRL_SGLANG_PARENT_PID": str(os.getpid()),
+           LAUNCH_API_KEY_ENV: key}
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, "--port", "30000"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"port": 30000, "api_key": key or None}
+
+
 def test_tensor_parallel_memory_and_gpus_are_fields_and_reach_each_server():
     config = ServerConfig(model_path="/m", device="cuda", num_servers=2, tensor_parallel=2, mem_fraction_static=0.7,
                           devices=((4, 5), (6, 7)))

@@ -26,7 +26,7 @@ LAUNCHER = (
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
     "if os.getppid() != int(os.environ['JAXRL_SGLANG_PARENT_PID']): sys.exit(1)\n"
     f"key = os.environ.pop('{LAUNCH_API_KEY_ENV}', '')\n"
-    "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key', key] if key else [])\n"
+    "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key=' + key] if key else [])\n"
     "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
 )
 
