@@ -411,13 +411,16 @@ def test_off_loopback_without_a_key_generates_one_for_the_launch_only(monkeypatc
 
 
 FAKE_KEYED_LAUNCH_SERVER = '''
-import http.server, json, os, sys
+import argparse, http.server, json, os, sys
 argv = sys.argv[1:]
-host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+parser = argparse.ArgumentParser()  # the three options as SGLang's server_args parses them
+for flag, kind in (("--host", str), ("--port", int), ("--api-key", str)):
+    parser.add_argument(flag, type=kind)
+args = parser.parse_known_args(argv)[0]
+host, port, key = args.host, args.port, args.api_key
 with open(os.environ["FAKE_RECORD"], "w") as f:
     json.dump({"argv": argv, "env_keys": sorted(k for k in os.environ if "API_KEY" in k),
-               "cmdline": open("/proc/self/cmdline").read()}, f)
-key = argv[argv.index("--api-key") + 1] if "--api-key" in argv else None
+               "cmdline": open("/proc/self/cmdline").read(), "api_key": key}, f)
 print(f"server_args=ServerArgs(host={host!r}, api_key={key!r})", flush=True)  # as SGLang logs it
 if os.environ.get("FAKE_MODE") == "crash":
     sys.exit(3)
@@ -442,7 +445,7 @@ def _fake_sglang(tmp_path) -> str:
 
 
 def test_generated_key_reaches_sglang_as_api_key_but_no_command_line_or_log(tmp_path, caplog):
-    """Through the real launcher: SGLang's argv ends with --api-key KEY, the process's command
+    """Through the real launcher: SGLang's argv ends with --api-key=KEY, the process's command
     line (what ps shows) and environment do not hold it, the warning names the host, not the key,
     and the server log (SGLang prints its server_args, key included) is private."""
     import logging
@@ -462,8 +465,9 @@ def test_generated_key_reaches_sglang_as_api_key_but_no_command_line_or_log(tmp_
     with caplog.at_level(logging.WARNING, logger="jaxrl.rollout.sglang.server"), manager:
         assert requests.get(manager.urls[0] + "/health", timeout=5).status_code == 200
     seen = json.loads(record.read_text())
-    assert seen["argv"][-2:] == ["--api-key", key]
-    assert key not in seen["cmdline"] and "--api-key" not in seen["cmdline"].split("\0")
+    assert seen["argv"][-1] == f"--api-key={key}" and seen["api_key"] == key
+    python, dash_c, launcher, *arguments = seen["cmdline"].split("\0")
+    assert key not in seen["cmdline"] and not any(a.startswith("--api-key") for a in arguments)
     assert EXTERNAL_API_KEY_ENV not in seen["env_keys"] and not seen["env_keys"], seen["env_keys"]
     warning = caplog.text
     assert "listen on 0.0.0.0" in warning and "require an API key" in warning and key not in warning
