@@ -308,6 +308,14 @@ def end_step(stop: StopSignals, checkpointer: Checkpointer | None, step: int, sa
 COMPLETIONS = "heldout/completions"
 
 
+def _keep_completions(logger: MetricsLogger, step: int, metrics: dict) -> None:
+    """Takes the completions out of an evaluation's ``metrics``; process 0 keeps them, as it keeps
+    TensorBoard and the plots (the others log only their own JSONL of scalars)."""
+    completions = metrics.pop(COMPLETIONS, ())
+    if jax.process_index() == 0:
+        logger.completions(step, completions)
+
+
 def run_loop(trainer, total_steps: int, evaluate: Callable[[], dict] | None = None) -> dict[str, Any]:
     """A trainer's run to ``total_steps``, RL and SFT alike; returns the summary.
 
@@ -329,14 +337,14 @@ def run_loop(trainer, total_steps: int, evaluate: Callable[[], dict] | None = No
             if trainer.step == 0 and evaluate is not None:
                 start = evaluate()
                 summary["heldout_start"] = start.get("heldout/reward")
-                logger.completions(0, start.pop(COMPLETIONS, ()))
+                _keep_completions(logger, 0, start)
                 logger.log(0, start)
             while trainer.step < total_steps:
                 metrics = trainer.train_step_once()
                 final = trainer.step == total_steps
                 if evaluate is not None and (final or (config.eval.every and trainer.step % config.eval.every == 0)):
                     metrics.update(evaluate())
-                    logger.completions(trainer.step, metrics.pop(COMPLETIONS, ()))
+                    _keep_completions(logger, trainer.step, metrics)
                 logger.log(trainer.step, metrics)
                 for message in trainer.errors:
                     logger.write(message if message.startswith("step ") else f"step {trainer.step}: {message}")

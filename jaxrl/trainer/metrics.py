@@ -111,7 +111,9 @@ class _TensorBoard:
 
 
 def _drop_after(path: str, step: int) -> None:
-    """Rewrites a JSONL log of ``{"step": ...}`` rows without those after ``step`` (a resume's)."""
+    """Rewrites a JSONL log of ``{"step": ...}`` rows without those after ``step`` (a resume's), if there is one."""
+    if not os.path.isfile(path):
+        return
     kept = [row for row in read_jsonl(path) if row.get("step", 0) <= step]
     with open(path, "w") as f:
         for row in kept:
