@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+from cli_checks import one_line_exit_2, write_config
 from jaxrl.cli import main
 from jaxrl.data import load_tokenizer
 
@@ -23,18 +24,6 @@ from jaxrl.reward import RewardResult
 def starts_with_a_digit(prompt, response, response_ids, row):
     return RewardResult(score=float(response[:1].isdigit()))
 '''
-
-
-def _write(folder, config: dict) -> str:
-    path = folder / "config.json"
-    path.write_text(json.dumps(config))
-    return str(path)
-
-
-def _one_line_exit_2(capfd, argv, expected: str) -> None:
-    assert main(argv) == 2
-    err = capfd.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and expected in err, err
 
 
 def _tokenizer_without(tmp_path, demo_files, token: str) -> str:
@@ -60,7 +49,7 @@ def test_a_reward_module_beside_the_config_is_imported(tmp_path, run_config, mon
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
     config = run_config(tmp_path / "out", reward={"tasks": {"t": {"kind": "python",
                                                                  "function": f"{module}:starts_with_a_digit"}}})
-    assert main(["train", _write(task, config)]) == 0
+    assert main(["train", write_config(task, config)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(0.0 <= row["reward/mean"] <= 1.0 for row in rows)
 
@@ -69,7 +58,7 @@ def test_a_model_smaller_than_its_tokenizer_is_named(tmp_path, run_config, demo_
     """Before: NaN updates and a hint to lower the learning rate."""
     tokens = len(load_tokenizer(demo_files["tokenizer"]))
     config = run_config(tmp_path / "out", model={"architecture": {"vocab_size": tokens - 5}})
-    _one_line_exit_2(capfd, ["train", _write(tmp_path, config)],
+    one_line_exit_2(capfd, ["train", write_config(tmp_path, config)],
                      f"(data.tokenizer) has {tokens} tokens and the model only {tokens - 5} "
                      f"(model.architecture.vocab_size={tokens - 5}): token ids {tokens - 5}..{tokens - 1}")
 
@@ -77,7 +66,7 @@ def test_a_model_smaller_than_its_tokenizer_is_named(tmp_path, run_config, demo_
 def test_a_tokenizer_without_eos_is_named(tmp_path, run_config, demo_files, capfd):
     folder = _tokenizer_without(tmp_path, demo_files, "eos_token")
     config = run_config(tmp_path / "out", data={"tokenizer": folder})
-    _one_line_exit_2(capfd, ["train", _write(tmp_path, config)],
+    one_line_exit_2(capfd, ["train", write_config(tmp_path, config)],
                      f"tokenizer at {folder!r} has no eos token; generation could never stop. Set eos_token")
 
 
@@ -90,4 +79,4 @@ def test_a_tokenizer_without_pad_pads_with_eos(tmp_path, run_config, demo_files,
     assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
     config = run_config(tmp_path / "out", data={"tokenizer": folder},
                         sft={"batch_size": 4, "stages": [{"steps": 2, "max_length": 16}]})
-    assert main([command, _write(tmp_path, config)]) == 0
+    assert main([command, write_config(tmp_path, config)]) == 0

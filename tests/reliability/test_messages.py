@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from cli_checks import one_line_exit_2, write_config
 from jaxrl.cli import main
 from jaxrl.data import DataConfig, load_examples, load_tokenizer
 from jaxrl.reward.base import call_reward
@@ -30,22 +31,10 @@ def a_string(prompt, response, response_ids, row):
     return "1.0"
 
 
-def _write(tmp_path, config: dict) -> str:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return str(path)
-
-
-def _one_line_exit_2(capfd, argv, expected: str) -> None:
-    assert main(argv) == 2
-    err = capfd.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and expected in err, err
-
-
 def test_fewer_rows_than_a_batch(tmp_path, run_config, capfd):
     """Before: a ValueError traceback from the batch iterator, naming ``batch_size`` (no such key)."""
-    config = _write(tmp_path, run_config(tmp_path / "out", rollout={"prompts_per_step": 1000}))
-    _one_line_exit_2(capfd, ["train", config], "a batch of 1000 prompts (rollout.prompts_per_step; sft.batch_size "
+    config = write_config(tmp_path, run_config(tmp_path / "out", rollout={"prompts_per_step": 1000}))
+    one_line_exit_2(capfd, ["train", config], "a batch of 1000 prompts (rollout.prompts_per_step; sft.batch_size "
                                                "in SFT) exceeds the ")
 
 
@@ -61,7 +50,7 @@ def test_fewer_rows_than_a_batch(tmp_path, run_config, capfd):
 ])
 def test_an_unimportable_reward_or_environment(tmp_path, run_config, capfd, section, expected):
     """Before: a ValueError traceback (exit 1)."""
-    _one_line_exit_2(capfd, ["train", _write(tmp_path, run_config(tmp_path / "out", **section))], expected)
+    one_line_exit_2(capfd, ["train", write_config(tmp_path, run_config(tmp_path / "out", **section))], expected)
 
 
 class _Garbage(BaseHTTPRequestHandler):
@@ -95,7 +84,7 @@ def test_a_judge_url_that_is_down_or_answers_garbage(tmp_path, run_config, demo_
         config = run_config(tmp_path / "out", reward={"tasks": {"t": {"kind": "judge", "judge": {"server": "g"}}}},
                             judges={"g": {"tokenizer": demo_files["tokenizer"], "urls": [url],
                                           "use_chat_template": False}})
-        _one_line_exit_2(capfd, ["train", _write(tmp_path, config)],
+        one_line_exit_2(capfd, ["train", write_config(tmp_path, config)],
                          f"judges.g: {url}: no SGLang server answers GET {url}/model_info ({why}")
 
 
@@ -106,7 +95,7 @@ def test_a_reward_may_return_a_number_and_its_output_is_capped(tmp_path, run_con
     MAX_OUTPUT_CHARS with one line saying how much was dropped."""
     config = run_config(tmp_path / "out", steps=1,
                         reward={"tasks": {"t": {"kind": "python", "function": f"{__name__}:loud_number"}}})
-    assert main(["train", _write(tmp_path, config)]) == 0
+    assert main(["train", write_config(tmp_path, config)]) == 0
     out, err = capfd.readouterr()
     samples = config["rollout"]["prompts_per_step"] * config["rollout"]["group_size"]
     assert "x" not in out.replace("max", "")  # the summary alone (its keys hold no other x)
@@ -138,7 +127,7 @@ def test_a_null_prompt_is_an_empty_field_not_a_missing_one(tmp_path, demo_files,
 def test_an_env_config_error_names_the_key_without_the_section(tmp_path, run_config, capfd):
     """Before: "env: {'tasks': {...the whole section...}} matches none of EnvConfig | None (...)"."""
     config = run_config(tmp_path / "out", env={"tasks": {"t": {"kind": "tools", "tools": ["nosuch"]}}})
-    _one_line_exit_2(capfd, ["train", _write(tmp_path, config)],
+    one_line_exit_2(capfd, ["train", write_config(tmp_path, config)],
                      "jaxrl train: config error: section env.tasks.t (EnvTaskConfig): env task tools ['nosuch'] are "
                      "not built-in tools")
     assert "matches none" not in capfd.readouterr().err

@@ -12,37 +12,27 @@ from jaxrl.trainer.metrics import MetricsLogger, read_jsonl
 from jaxrl.trainer.plots import MIN_LAW_POINTS, fit_run_entropy_law, law_equation, plot_run
 
 
-def _tensorboard_scalars(folder) -> list[tuple[int, str, float]]:
-    """(step, tag, value) of every scalar in the event files, read as TFRecords (8-byte length,
-    4-byte CRC, the Event proto, 4-byte CRC) with the format's own proto, not the writer's code."""
+def _summaries(folder, kind: str):
+    """(step, summary value) of every value of ``kind`` ("simple_value": a scalar, "tensor": a text) in the
+    event files, read as TFRecords (8-byte length, 4-byte CRC, the Event proto, 4-byte CRC) with the
+    format's own proto, not the writer's code."""
     from tensorboardX.proto import event_pb2
 
-    found = []
     for path in sorted(glob.glob(str(folder / "events.out.tfevents.*"))):
         data, offset = open(path, "rb").read(), 0
         while offset < len(data):
             length = struct.unpack("<Q", data[offset:offset + 8])[0]
             event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
             offset += 16 + length
-            found += [(event.step, v.tag, round(v.simple_value, 6)) for v in event.summary.value
-                      if v.WhichOneof("value") == "simple_value"]
-    return found
+            yield from ((event.step, v) for v in event.summary.value if v.WhichOneof("value") == kind)
+
+
+def _tensorboard_scalars(folder) -> list[tuple[int, str, float]]:
+    return [(step, v.tag, round(v.simple_value, 6)) for step, v in _summaries(folder, "simple_value")]
 
 
 def _tensorboard_texts(folder) -> list[tuple[int, str, str]]:
-    """(step, tag, text) of every text summary in the event files (read as ``_tensorboard_scalars`` does)."""
-    from tensorboardX.proto import event_pb2
-
-    found = []
-    for path in sorted(glob.glob(str(folder / "events.out.tfevents.*"))):
-        data, offset = open(path, "rb").read(), 0
-        while offset < len(data):
-            length = struct.unpack("<Q", data[offset:offset + 8])[0]
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
-            offset += 16 + length
-            found += [(event.step, v.tag, v.tensor.string_val[0].decode()) for v in event.summary.value
-                      if v.WhichOneof("value") == "tensor"]
-    return found
+    return [(step, v.tag, v.tensor.string_val[0].decode()) for step, v in _summaries(folder, "tensor")]
 
 
 def test_jsonl_tensorboard_and_resume_truncation(tmp_path):
