@@ -24,10 +24,10 @@ from jaxrl.trainer.checkpoint import CheckpointMismatchError
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.judges import build_reward_router, judge_cache_path
 from jaxrl.trainer.learner import Learner
+from jaxrl.trainer.learning_watch import LearningWatch
 from jaxrl.trainer.lifecycle import COMPLETIONS, check_fresh_start, open_run, run_loop
 from jaxrl.trainer.metrics import StageClock
 from jaxrl.trainer.model import check_vocabulary, learner_mesh
-from jaxrl.trainer.learning_watch import LearningWatch
 from jaxrl.trainer.stages import (Stage, StepContext, StepRecord, build_stages, frozen_policy_steps,
                                   objective_for_run, sampler_batch)
 from jaxrl.trainer.stages.rollout import sampling_params, sampling_seed
@@ -129,10 +129,11 @@ class RLTrainer:
         return {**metrics, "data/bad_rows": self.data_report.bad_rows, **clock.metrics(tokens=record.batch.num_tokens)}
 
     # ---------------------------------------------------------------- evaluation
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, Any]:
         """Held-out reward, unparsable fraction and pass@``eval.k`` on ``data.eval_files``: the same
         sampling and reward code as training, through ``jaxrl eval``'s (docs/evaluation.md); with an
-        ``env`` section the held-out prompts are conversations too, and ``heldout/env/*`` their metrics."""
+        ``env`` section the held-out prompts are conversations too, and ``heldout/env/*`` their metrics;
+        under ``lifecycle.COMPLETIONS`` a few completions to read (not a metric: the run loop logs them apart)."""
         if not self.eval_examples:
             return {}
         e = self.config.eval
@@ -178,7 +179,7 @@ class RLTrainer:
         evaluate = self._evaluate_watched if self.eval_examples else None
         return self.watch.add_to(run_loop(self, self.config.steps, evaluate))
 
-    def _evaluate_watched(self) -> dict[str, float]:
+    def _evaluate_watched(self) -> dict[str, Any]:
         metrics = self.evaluate()
         if self.step == 0:  # the held-out start: is there anything to learn?
             self.watch.observe_start(metrics)
