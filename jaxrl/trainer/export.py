@@ -1,4 +1,4 @@
-"""``checkpoint.export_hf``: the trained policy as a folder transformers, SGLang and vLLM load whole.
+"""``checkpoint.export_hf``: the trained policy as a folder that transformers and SGLang load whole.
 
 The weights and ``config.json`` (``jaxrl.models.save_hf_checkpoint``), the run's tokenizer
 (``data.tokenizer``, its ``save_pretrained`` files: without them transformers silently loads an
