@@ -61,19 +61,28 @@ class PolicyConfig:
         return {k: getattr(self, k) for k in self._OVERRIDES if getattr(self, k) is not None}
 
     def max_positions(self) -> tuple[str, int] | None:
-        """(the key and value, for messages; the model's ``max_position_embeddings``): the checkpoint's
-        config.json (its loader's default when the file has none) or the architecture's. None when
-        ``hf_path`` holds no config.json yet (the SFT phase may write it later; the loader names it if not)."""
+        """The model's ``max_position_embeddings`` as :meth:`size` gives it."""
+        return self.size("max_position_embeddings")
+
+    def vocab_size(self) -> tuple[str, int] | None:
+        """The model's ``vocab_size`` (embedding rows) as :meth:`size` gives it."""
+        return self.size("vocab_size")
+
+    def size(self, field: str) -> tuple[str, int] | None:
+        """(the key and value, for messages) of a ``ModelConfig`` count the model is built with, read
+        before it is: the checkpoint's config.json (its loader's default when the file has none) or the
+        architecture's. None when ``hf_path`` holds no config.json yet (the SFT phase may write it later;
+        the loader names it if not)."""
         if not self.hf_path:
-            positions = self.architecture.max_position_embeddings
-            return f"model.architecture.max_position_embeddings={positions}", positions
+            value = getattr(self.architecture, field)
+            return f"model.architecture.{field}={value}", value
         config_file = os.path.join(self.hf_path, "config.json")
         if not os.path.isfile(config_file):
             return None
-        positions = read_hf_config(self.hf_path).get("max_position_embeddings", ModelConfig.max_position_embeddings)
-        if not isinstance(positions, int) or isinstance(positions, bool):
+        value = read_hf_config(self.hf_path).get(field, getattr(ModelConfig, field, None))
+        if not isinstance(value, int) or isinstance(value, bool):
             return None  # not a count: the checkpoint loader refuses it, naming the file
-        return f"max_position_embeddings={positions} in {config_file} (model.hf_path)", positions
+        return f"{field}={value} in {config_file} (model.hf_path)", value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,6 +96,7 @@ class _Setup:
 
         config = self.config
         self.tokenizer = load_tokenizer(config.data.tokenizer)
+        check_vocabulary(config.model, self.tokenizer, config.data.tokenizer)
         self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.hf_path)
         self.router = build_reward_router(config)
         examples, self.report = load_examples(examples_files, config.data, self.tokenizer,
@@ -103,7 +104,6 @@ class _Setup:
         self.examples = examples[:max_prompts] if max_prompts else examples
         mesh = make_mesh(config.mesh)
         model = build_model(config.model, mesh)
-        check_vocabulary(model, self.tokenizer, config.model, config.data.tokenizer)
         self.model_source = config.model.hf_path or "random init"
         if self.args.checkpoint:
             step = _restore_params(model, self.args.checkpoint)

@@ -30,16 +30,16 @@ def build_model(policy, mesh: jax.sharding.Mesh) -> Decoder:
     return model
 
 
-def check_vocabulary(model: Decoder, tokenizer, policy, tokenizer_path: str) -> None:
-    """Refuses (``InputError``: one line, exit 2) a tokenizer with more tokens than the model has
-    embedding rows: its ids past the vocabulary have no row (a gather out of range reads NaN), so
-    training on them gave NaN updates and a learning-rate hint before. A larger model vocabulary
-    (padded, as Qwen3's 151,936 rows for 151,669 tokens) is fine."""
-    tokens, rows = len(tokenizer), model.config.vocab_size
-    if tokens <= rows:
+def check_vocabulary(policy, tokenizer, tokenizer_path: str) -> None:
+    """Refuses (``InputError``: one line, exit 2), before the model is built, a tokenizer with more tokens
+    than ``policy`` (a ``PolicyConfig``) has embedding rows: its ids past the vocabulary have no row (a
+    gather out of range reads NaN), so training on them gave NaN updates and a learning-rate hint
+    before. A larger model vocabulary (padded, as Qwen3's 151,936 rows for 151,669 tokens) is fine."""
+    known = policy.vocab_size()
+    tokens = len(tokenizer)
+    if known is None or tokens <= known[1]:
         return
-    key = (f"vocab_size={rows} in {policy.hf_path}/config.json (model.hf_path)" if policy.hf_path
-           else f"model.architecture.vocab_size={rows}")
+    key, rows = known
     raise InputError(f"the tokenizer {tokenizer_path!r} (data.tokenizer) has {tokens} tokens and the model only "
                      f"{rows} ({key}): token ids {rows}..{tokens - 1} would index past its embedding; use the "
                      f"model's own tokenizer, or a model whose vocab_size is at least {tokens}")

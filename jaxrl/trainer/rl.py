@@ -51,6 +51,7 @@ class RLTrainer:
         self.errors: list[str] = []
         data = config.data
         self.tokenizer = load_tokenizer(data.tokenizer)
+        check_vocabulary(config.model, self.tokenizer, data.tokenizer)
         self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.hf_path)
         self.router = build_reward_router(config, judge_cache_path(config.output_dir))
         self.examples, self.data_report = load_examples(data.train_files, data, self.tokenizer,
@@ -70,7 +71,6 @@ class RLTrainer:
         self.objective, why = objective_for_run(config, builds_engine=engine is None)
         log.info("old_logp: %s", why)
         self.learner = Learner(config, self.mesh, self.objective, frozen_policy_steps(config))
-        check_vocabulary(self.learner.model(), self.tokenizer, config.model, data.tokenizer)
         self.context = StepContext(config, self.objective, self.learner, self.mesh, self.tokenizer,
                                    self.stop_token_ids, self.router, self.iterator, self.envs, self._warn,
                                    on_error=self.errors.append)

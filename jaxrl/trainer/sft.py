@@ -53,6 +53,7 @@ class SFTTrainer:
         check_fresh_start(config.output_dir, config.checkpoint.directory, resume=resume, overwrite=overwrite)
         self.errors: list[str] = []
         self.tokenizer = load_tokenizer(config.data.tokenizer)
+        check_vocabulary(config.model, self.tokenizer, config.data.tokenizer)
         self.examples, self.data_report = load_examples(
             config.data.train_files, config.data, self.tokenizer, with_response=True)
         lengths = np.asarray([len(e.prompt_ids) + len(e.response_ids) for e in self.examples])
@@ -61,7 +62,6 @@ class SFTTrainer:
         self.mesh = learner_mesh(config)
         host_memory.keep_freed_memory(self.mesh)
         model = build_model(config.model, self.mesh)
-        check_vocabulary(model, self.tokenizer, config.model, config.data.tokenizer)
         self.total_steps = sum(s.steps for s in config.sft.stages)
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_steps)
         self.train_step, self.state = make_train_step(
