@@ -37,6 +37,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 HEAD = 200  # characters of the prompt and response quoted in a report
+# What the built-in rewards score in (math, format and the judges); a kind: python reward may differ.
+BUILTIN_REWARD_RANGE = (0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

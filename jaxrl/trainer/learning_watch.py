@@ -21,13 +21,12 @@ import dataclasses
 from typing import Any, Callable, Mapping
 
 from jaxrl.losses.objective import ObjectiveConfig, active_rejections
+from jaxrl.reward.base import BUILTIN_REWARD_RANGE
 
 # "Most of the tokens": past half, the update learns from a minority of the batch it paid to sample.
 MOST = 0.5
 # "Nothing to learn": all but a few groups constant, so the gradient rests on a handful of samples.
 NEARLY_ALL = 0.95
-# The built-in rewards' maximum (math, format and the judges score in [0, 1]).
-TOP_REWARD = 1.0
 # One batch can be unlucky; three in a row is the band (or the engine, or the data), not the draw.
 STEPS_IN_A_ROW = 3
 
@@ -98,9 +97,9 @@ class LearningWatch:
         return cls([*watched, _nothing_to_learn()], warn)
 
     def observe_start(self, heldout: Mapping[str, Any]) -> None:
-        """Before the first step: a held-out reward already at ``TOP_REWARD`` leaves nothing to gain."""
+        """Before the first step: a held-out reward already at the built-in rewards' maximum leaves nothing to gain."""
         reward = heldout.get("heldout/reward")
-        if reward is None or not float(reward) >= TOP_REWARD:
+        if reward is None or not float(reward) >= BUILTIN_REWARD_RANGE[1]:
             return
         line = (f"the held-out reward starts at {float(reward):.3f}, the built-in rewards' maximum: RL has nothing "
                 f"left to gain on these prompts; train on harder ones (jaxrl filter keeps the prompts the model "

@@ -8,6 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxrl.reward.base import BUILTIN_REWARD_RANGE
+
 
 def _series(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
@@ -57,15 +59,14 @@ MISMATCH_PLOT_KEYS = ("mismatch/k3", "mismatch/abs_log_ratio_mean", "mismatch/ab
                       "mismatch/chi2_token", "mismatch/chi2_seq", "mismatch/prob_diff_mean")
 # Below this a float32 divergence is rounding; plotted at the floor rather than dropped by the log axis.
 LOG_AXIS_FLOOR = 1e-16
-# The RL update's health at a glance, one panel each: (title, the first logged of these keys).
-HEALTH_PANELS = (("loss", ("update/loss",)), ("gradient norm", ("update/grad_norm",)),
-                 ("clip fraction", ("update/clip_frac",)), ("KL to the reference (k3)", ("update/kl_k3",)),
-                 ("response length (tokens)", ("rollout/response_length_mean",)))
+# The RL update's health at a glance, one panel each: (title, metric).
+HEALTH_PANELS = (("loss", "update/loss"), ("gradient norm", "update/grad_norm"),
+                 ("clip fraction", "update/clip_frac"), ("KL to the reference (k3)", "update/kl_k3"),
+                 ("response length (tokens)", "rollout/response_length_mean"))
 # Fewer points than this fit the entropy law to noise: no fit, no plot.
 MIN_LAW_POINTS = 8
-# The built-in rewards' range (math, format, judges): a predicted ceiling outside it (by more than
-# 1% of it, float32 rounding and a perfect fit's noise aside) is an extrapolation.
-REWARD_RANGE = (0.0, 1.0)
+# A predicted ceiling outside the built-in rewards' range by more than this (1% of it: float32
+# rounding and a perfect fit's noise aside) is an extrapolation.
 RANGE_TOLERANCE = 0.01
 
 
@@ -91,8 +92,8 @@ def _plot_keys(rows, keys, title, ylabel, path, *, log_y: bool = False) -> str |
 
 def _plot_health(rows: Sequence[dict], path: str) -> str | None:
     """One small panel per ``HEALTH_PANELS`` entry the run logged; None when it logged none of them."""
-    panels = [(title, key, *_series(rows, key)) for title, keys in HEALTH_PANELS
-              for key in keys[:1] if len(_series(rows, key)[0])]
+    panels = [(title, key, *_series(rows, key)) for title, key in HEALTH_PANELS]
+    panels = [panel for panel in panels if len(panel[2])]
     if not panels:
         return None
     fig, axes = _pyplot().subplots(1, len(panels), figsize=(3.2 * len(panels), 3.0), squeeze=False)
@@ -118,7 +119,7 @@ def fit_run_entropy_law(rows: Sequence[dict], early_fraction: float = 0.5) -> di
 
     Returns ``{a, b, ceiling, ceiling_beyond_range, rmse, fit_steps, entropy, reward}`` (the last two:
     every step's points; ``ceiling_beyond_range``: the predicted ceiling lies outside the built-in
-    rewards' ``REWARD_RANGE``, an extrapolation of too few or too flat points), or None when fewer
+    rewards' ``BUILTIN_REWARD_RANGE``, an extrapolation of too few or too flat points), or None when fewer
     than ``MIN_LAW_POINTS`` steps would be fitted or the entropy never moved over them.
     """
     key = entropy_key(rows)
@@ -134,7 +135,7 @@ def fit_run_entropy_law(rows: Sequence[dict], early_fraction: float = 0.5) -> di
 
     fit = fit_entropy_law(jnp.asarray(entropy[:early]), jnp.asarray(reward[:early]))
     ceiling = float(fit.ceiling)
-    low, high = REWARD_RANGE[0] - RANGE_TOLERANCE, REWARD_RANGE[1] + RANGE_TOLERANCE
+    low, high = BUILTIN_REWARD_RANGE[0] - RANGE_TOLERANCE, BUILTIN_REWARD_RANGE[1] + RANGE_TOLERANCE
     return {"a": float(fit.a), "b": float(fit.b), "ceiling": ceiling, "rmse": float(fit.rmse),
             "ceiling_beyond_range": not low <= ceiling <= high, "fit_steps": early, "entropy": entropy,
             "reward": reward}
@@ -178,7 +179,7 @@ def plot_run(rows: Sequence[dict], out_dir: str, *, early_fraction: float = 0.5)
         ax.scatter(entropy[early:], reward[early:], s=12, marker="x", label="later steps")
         grid = np.linspace(0.0, float(entropy.max()) * 1.05, 100)
         ax.plot(grid, b - a * np.exp(grid), color="k", label=f"fit (RMSE {fit['rmse']:.3g})")
-        beyond = f", beyond the rewards' range {list(REWARD_RANGE)}" if fit["ceiling_beyond_range"] else ""
+        beyond = f", beyond the rewards' range {list(BUILTIN_REWARD_RANGE)}" if fit["ceiling_beyond_range"] else ""
         ax.axhline(ceiling, color="r", linestyle="--", label=f"predicted ceiling b-a = {ceiling:.3g}{beyond}")
         ax.legend(fontsize=8)
         written["entropy_law"] = _save(fig, os.path.join(out_dir, "entropy_law.png"))
