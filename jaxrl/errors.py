@@ -53,8 +53,10 @@ class MissingExtraError(ModuleNotFoundError):
     """
 
     def __init__(self, what: str, module: str, extra: str):
+        # Not "jaxrl[extra]" by name: jaxrl is installed from its repository (or a wheel built there),
+        # and a package of that name on an index is not this one (docs/install.md).
         super().__init__(f'{what} needs the [{extra}] extra ({module} is not installed): '
-                         f'pip install "jaxrl[{extra}]"', name=module)
+                         f'pip install ".[{extra}]" in the jaxrl repository (docs/install.md)', name=module)
         self.extra = extra
 
 

@@ -123,7 +123,8 @@ def test_base_install_runs_the_losses_alone(dist, tmp_path):
     _run(bindir / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", constraints,
          dist["wheel"], env=env, cwd=tmp_path)
     check = _run(bindir / "python", "-c", _BASE_INSTALL_CHECK, env=env, cwd=tmp_path)
-    assert 'needs the [train] extra (flax is not installed): pip install "jaxrl[train]"' in check.stdout
+    assert ('needs the [train] extra (flax is not installed): pip install ".[train]" in the jaxrl repository '
+            '(docs/install.md)') in check.stdout
 
     version = dist["wheel"].name.split("-")[1]
     assert _run(bindir / "jaxrl", "--version", env=env, cwd=tmp_path).stdout.strip() == f"jaxrl {version}"
