@@ -26,9 +26,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import repo_guard  # noqa: E402
+import suite_settings  # noqa: E402
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", suite_settings.xla_flags())
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # why: tests/suite_settings.py
 # One persistent compilation cache for the session, shared with the subprocesses tests start (a
 # resumed run, the CLI) and with the xdist workers (they inherit this environment): the tiny
 # trainers of many tests compile the same programs again. Made here only when nobody set one, and

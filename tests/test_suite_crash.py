@@ -35,3 +35,43 @@ def test_a_crashed_worker_ends_the_run_naming_its_test_instead_of_hanging(tmp_pa
     assert done.returncode == 1, done.stdout[-3000:]
     assert "crashed while running 'test_crashing.py::test_aborts" in done.stdout, done.stdout[-3000:]
     assert "FAILED test_crashing.py::test_aborts" in done.stdout
+
+
+# One of 8 CPU devices reaches the all-reduce STALL_S seconds after the others.
+STALLED_COLLECTIVE = '''
+import time
+import jax, jax.numpy as jnp
+from jax.experimental import io_callback
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((8,), ("x",))
+def stall(shard):
+    if int(shard[0]) == 0:
+        time.sleep({stall_s})
+    return shard
+@jax.jit
+@jax.shard_map(mesh=mesh, in_specs=P("x"), out_specs=P())
+def total(v):
+    return jax.lax.psum(io_callback(stall, jax.ShapeDtypeStruct(v.shape, v.dtype), v), "x")
+print("total", float(total(jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x"))))[0]))
+'''
+
+
+def test_a_simulated_device_late_to_a_collective_does_not_abort_the_worker():
+    """XLA:CPU aborts the process (SIGABRT, a crashed worker) when one simulated device reaches a
+    collective its terminate timeout (40 s by default) after the others; on a loaded 2-core machine
+    the 32K context-parallel test's devices fell that far apart. The suite's XLA flags
+    (tests/suite_settings.py) allow CPU_COLLECTIVE_TIMEOUT_S more. Shown with a 4 s stall and XLA's
+    "may be stuck" warning after 1 s (the wait before the terminate timeout starts; 20 s by default):
+    the suite's flags survive it, the same flags with a 2 s terminate timeout abort."""
+    import suite_settings
+
+    def run(flags: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+        return subprocess.run([sys.executable, "-c", STALLED_COLLECTIVE.replace("{stall_s}", "4")], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    suite = suite_settings.xla_flags() + " --xla_cpu_collective_call_warn_stuck_timeout_seconds=1"
+    survived = run(suite)
+    assert survived.returncode == 0 and "total 28.0" in survived.stdout, survived.stderr[-2000:]
+    short = run(suite.replace(f"={suite_settings.CPU_COLLECTIVE_TIMEOUT_S}", "=2"))
+    assert short.returncode == -6 and "Termination timeout" in short.stderr, (short.returncode, short.stderr[-2000:])

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from suite_settings import KEPT_JAX_SETTINGS, xla_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mlp_worker.py")
 
@@ -26,10 +28,12 @@ def free_port() -> int:
 
 
 def child_env(devices: int = 4) -> dict[str, str]:
-    """This process's environment without distributed settings, with ``devices`` CPU devices."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "JAXRL_", "SLURM_", "TPU_"))}
+    """This process's environment without distributed settings, with ``devices`` CPU devices (and the
+    suite's compilation cache and compiler settings, tests/suite_settings.py)."""
+    env = {k: v for k, v in os.environ.items()
+           if k in KEPT_JAX_SETTINGS or not k.startswith(("JAX_", "JAXRL_", "SLURM_", "TPU_"))}
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=xla_flags(devices),
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
