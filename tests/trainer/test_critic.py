@@ -18,33 +18,17 @@ from jaxrl import losses
 from jaxrl.config import ConfigError, load_config
 from jaxrl.losses.gae import whiten_advantages
 from jaxrl.losses.value import clipped_value_loss
-from jaxrl.reward import RewardResult, SandboxedRewardRouter, ScoredBatch, TaskRewardConfig
+from jaxrl.reward import SandboxedRewardRouter, ScoredBatch, TaskRewardConfig
 from jaxrl.trainer.checkpoint import CheckpointMismatchError
 from jaxrl.trainer.config import CriticConfig, TrainConfig
 from jaxrl.trainer.stages.advantage.value import token_rewards
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
 from test_loop import make_config
+from toy_rewards import DIGIT_IDS, python_reward
 
 files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
 
-DIGIT_IDS = range(3, 13)  # make_char_tokenizer: <pad>, <eos>, <unk>, then the demo alphabet "0123456789+="
-
-
-def digit_token_reward(prompt, response, response_ids, row):
-    """Per-token rewards: 1 for each digit token, on the token itself; the score is their sum."""
-    per_token = [1.0 if t in DIGIT_IDS else 0.0 for t in response_ids]
-    return RewardResult(score=sum(per_token), token_rewards=per_token)
-
-
-def short_token_reward(prompt, response, response_ids, row):
-    """A reward function bug: one token reward short."""
-    return RewardResult(score=0.0, token_rewards=[0.0] * (len(response_ids) - 1))
-
-
-def _reward(function: str) -> dict:
-    return {"default_task": "t", "task_field": "none",
-            "tasks": {"t": {"kind": "python", "function": f"{__name__}:{function}"}}}
 
 
 GAE = {"estimator": "gae"}
@@ -79,7 +63,7 @@ def test_critic_explains_per_token_rewards(files, tmp_path):
     and the critic's explained variance (its values before each update, against that batch's returns)
     rises from 0 (a zero head) above 0.5 within 10 steps (measured 0.82-1.0 at step 10 over seeds
     3, 5 and 7). Short responses (2 tokens) keep the returns learnable by the tiny critic."""
-    config = make_config(files, tmp_path / "run", steps=10, advantage=GAE, reward=_reward("digit_token_reward"),
+    config = make_config(files, tmp_path / "run", steps=10, advantage=GAE, reward=python_reward("digit_token_reward"),
                          critic={"optimizer": {"lr": 3e-3}, "value_clip": None}, update={"mini_batches": 4},
                          rollout={"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 2})
     trainer = RLTrainer(config)
@@ -102,8 +86,8 @@ def test_critic_explains_per_token_rewards(files, tmp_path):
 
 
 def test_token_rewards_cross_the_sandbox_and_bad_ones_name_task_and_sample():
-    tasks = {"digits": TaskRewardConfig(kind="python", function=f"{__name__}:digit_token_reward"),
-             "short": TaskRewardConfig(kind="python", function=f"{__name__}:short_token_reward")}
+    tasks = {"digits": TaskRewardConfig(kind="python", function="toy_rewards:digit_token_reward"),
+             "short": TaskRewardConfig(kind="python", function="toy_rewards:short_token_reward")}
     errors = []
     with SandboxedRewardRouter(tasks, task_field="task") as router:
         scored = router.score(["p", "p"], ["1+", "2"], [[4, 13], [5, 1]], [{"task": "digits"}, {"task": "short"}],

@@ -16,17 +16,7 @@ from test_loop import _params, make_config, spy
 files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
 
 PARITY_REWARD = {"default_task": "t", "task_field": "none",
-                 "tasks": {"t": {"kind": "python", "function": f"{__name__}:parity_reward"}}}
-
-
-def parity_reward(prompt, response, response_ids, row):
-    """Even answers: 0.5 whatever the response (a group with no signal); odd: the fraction of
-    digits in the response (varies between samples, mostly)."""
-    from jaxrl.reward import RewardResult
-
-    if int(row["answer"]) % 2 == 0:
-        return RewardResult(score=0.5)
-    return RewardResult(score=sum(c.isdigit() for c in response) / max(len(response), 1))
+                 "tasks": {"t": {"kind": "python", "function": "toy_rewards:parity_reward"}}}
 
 
 def run_recording(config):
@@ -123,7 +113,7 @@ def two_task_files(files, tmp_path_factory):
 def test_data_mixture_sets_each_tasks_share_of_the_rl_batch(two_task_files, tmp_path):
     """Weights a:b = 3:1 over rows that are 1:3: the batches' share of task a (logged per step as
     reward/a/share) is the weights' 0.75 within 3 standard errors, not the rows' 0.25."""
-    digit = {"kind": "python", "function": "test_loop:digit_reward"}
+    digit = {"kind": "python", "function": "toy_rewards:digit_reward"}
     config = make_config(two_task_files, tmp_path, steps=3, data={"mixture": {"a": 3.0, "b": 1.0}},
                          reward={"task_field": "task", "default_task": None, "tasks": {"a": digit, "b": digit}})
     trainer = RLTrainer(config)

@@ -9,10 +9,10 @@ import pytest
 
 from jaxrl.config import ConfigError, load_config
 from jaxrl.demo import write_demo_files
-from jaxrl.reward import RewardResult
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
+from toy_rewards import python_reward
 
 ARCHITECTURE = {"vocab_size": 17, "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
                 "num_kv_heads": 1, "head_dim": 16, "tie_word_embeddings": True, "max_position_embeddings": 32}
@@ -23,13 +23,7 @@ def files(tmp_path_factory):
     return write_demo_files(str(tmp_path_factory.mktemp("demo")), max_operand=10, heldout=10)
 
 
-def digit_reward(prompt, response, response_ids, row):
-    """A dense reward a random model already gets some of: the fraction of digits in the response."""
-    return RewardResult(score=sum(c.isdigit() for c in response) / max(len(response), 1))
-
-
-DENSE_REWARD = {"default_task": "t", "task_field": "none",
-                "tasks": {"t": {"kind": "python", "function": f"{__name__}:digit_reward"}}}
+DENSE_REWARD = python_reward("digit_reward")
 
 
 def make_config(files, out, **sections):
@@ -174,12 +168,6 @@ def test_each_metric_names_its_stage_and_no_stage_overwrites_another(files, tmp_
     assert all(not (a & b) for i, a in enumerate(written) for b in written[i + 1:]), written
 
 
-def exploding_reward(prompt, response, response_ids, row):
-    if len(response) % 2:
-        raise RuntimeError("reward bug")
-    return RewardResult(score=float(len(response) % 4 == 0))
-
-
 def test_loop_survives_bad_rows_and_a_raising_reward(files, tmp_path, caplog):
     rows = [json.loads(line) for line in open(files["train"])][:20]
     path = tmp_path / "mixed.jsonl"
@@ -191,7 +179,7 @@ def test_loop_survives_bad_rows_and_a_raising_reward(files, tmp_path, caplog):
             f.write(json.dumps(row) + "\n")
     config = make_config(
         files, tmp_path / "out", steps=2, data={"train_files": [str(path)]},
-        reward={**DENSE_REWARD, "tasks": {"t": {"kind": "python", "function": f"{__name__}:exploding_reward"}}})
+        reward=python_reward("exploding_reward"))
     with caplog.at_level(logging.WARNING):
         _run(config)
     assert f"skipped 1 row of {path}: missing field 'prompt' (line 11" in caplog.text

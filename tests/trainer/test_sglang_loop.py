@@ -16,12 +16,6 @@ pytestmark = [
 ]
 
 
-def digit_reward(prompt, response, response_ids, row):
-    from jaxrl.reward import RewardResult
-
-    return RewardResult(score=sum(c.isdigit() for c in response) / max(len(response), 1))
-
-
 def test_rl_steps_with_sglang_engine_synchronous_asynchronous_and_in_memory(tmp_path):
     """One server, three runs: 2 synchronous steps, then 3 with ``rollout.max_staleness=1`` (the
     server generates the next batch while the learner updates), then 2 synchronous steps with
@@ -66,7 +60,7 @@ def test_rl_steps_with_sglang_engine_synchronous_asynchronous_and_in_memory(tmp_
             "data": {"tokenizer": files["tokenizer"], "train_files": [files["train"]], "use_chat_template": False,
                      "max_prompt_tokens": 6},
             "reward": {"default_task": "t", "task_field": "none",
-                       "tasks": {"t": {"kind": "python", "function": f"{__name__}:digit_reward"}}},
+                       "tasks": {"t": {"kind": "python", "function": "toy_rewards:digit_reward"}}},
             "rollout": {"engine": "sglang", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6,
                         "push_tolerance": 1e-4, "max_staleness": staleness,
                         "sglang": {"server": server, "push": push}},
