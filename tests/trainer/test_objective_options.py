@@ -14,6 +14,7 @@ tolerance.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -27,6 +28,7 @@ from jaxrl.trainer.stages import advantage as advantage_stage
 from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
 import test_loop
+import toy_rewards
 from test_loop import make_config
 
 files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
@@ -151,6 +153,21 @@ class NumpyAdam:
         return jax.tree.unflatten(jax.tree.structure(params), new)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "objective"))
+def _library_grad(params, mini, key, *, graphdef, chunk_size: int, objective: losses.ObjectiveConfig):
+    """``jax.grad`` of ``rl_objective`` on one mini-batch: one compiled program for every mini-batch
+    of a run (op by op it took most of a test's time)."""
+
+    def loss(p):
+        model = nnx.merge(graphdef, p)
+        logp, entropy, _ = model.token_logprobs(*mini.model_inputs(), chunk_size=chunk_size)
+        return losses.rl_objective(objective, logp, mini.old_logp, mini.advantages, mini.mask,
+                                   rollout_logp=mini.rollout_logp, ref_logp=mini.ref_logp, entropy=entropy,
+                                   normalizer=losses.loss_normalizer(objective.aggregation, mini.mask), key=key)[0]
+
+    return jax.grad(loss)(params)
+
+
 def _hand_rolled(run: Run, objective: losses.ObjectiveConfig | None = None):
     """The parameters after the run's updates, stepped here: ``rl_objective`` (with ``objective``,
     default the run's) on each mini-batch of each recorded batch, ``jax.grad``, then Adam in numpy."""
@@ -163,15 +180,9 @@ def _hand_rolled(run: Run, objective: losses.ObjectiveConfig | None = None):
             continue
         for s, mini in _mini_batches(run, batch):
             key = jax.random.fold_in(jax.random.key(run.config.seed), step * run.config.update.mini_batches + s)
-            normalizer = losses.loss_normalizer(objective.aggregation, mini.mask)
-
-            def loss(p, mini=mini, key=key, normalizer=normalizer):
-                logp, entropy = _model_logp(run, p, mini)
-                return losses.rl_objective(objective, logp, mini.old_logp, mini.advantages, mini.mask,
-                                           rollout_logp=mini.rollout_logp, ref_logp=mini.ref_logp, entropy=entropy,
-                                           normalizer=normalizer, key=key)[0]
-
-            params = adam.step(params, jax.grad(loss)(params))
+            grads = _library_grad(params, mini, key, graphdef=run.graphdef,
+                                  chunk_size=run.config.update.logprob_chunk_size, objective=objective)
+            params = adam.step(params, grads)
     return _host(params)
 
 
@@ -521,7 +532,7 @@ def test_advantage_estimator_reaches_the_update(files, tmp_path, monkeypatch, es
         for prompt, output, reward in zip(prompts, outputs, greedy, strict=True):
             assert list(output) == _greedy_continuation(run, prompt, len(output))[:len(output)]
             response = run.tokenizer.decode(output, skip_special_tokens=True)
-            assert reward == pytest.approx(test_loop.digit_reward("", response, output, {}).score)
+            assert reward == pytest.approx(toy_rewards.digit_reward("", response, output, {}).score)
         assert run.rows[0]["advantage/greedy_reward_mean"] == pytest.approx(float(np.mean(greedy)))
     else:
         assert greedy is None and not run.greedy
