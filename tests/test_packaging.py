@@ -137,14 +137,16 @@ def test_base_install_runs_the_losses_alone(dist, tmp_path):
                              text=True, env=env, cwd=tmp_path)
         assert run.returncode == 2, (name, run.returncode, run.stdout, run.stderr)
         assert re.fullmatch(rf'jaxrl {name} needs the \[train\] extra \([\w.]+ is not installed\): '
-                            r'pip install "jaxrl\[train\]"', run.stderr.strip()), (name, run.stderr)
+                            r'pip install "\.\[train\]" in the jaxrl repository \(docs/install\.md\)',
+                            run.stderr.strip()), (name, run.stderr)
 
 
 def test_needs_extra_names_the_extra_and_passes_other_errors():
     from jaxrl.errors import MissingExtraError, needs_extra
 
     with pytest.raises(MissingExtraError, match=r'^jaxrl.models needs the \[train\] extra \(flax.nnx is not '
-                                                 r'installed\): pip install "jaxrl\[train\]"$') as caught:
+                                                 r'installed\): pip install "\.\[train\]" in the jaxrl repository '
+                                                 r'\(docs/install\.md\)$') as caught:
         with needs_extra("jaxrl.models"):
             raise ModuleNotFoundError("No module named 'flax.nnx'", name="flax.nnx")
     assert caught.value.name == "flax.nnx" and caught.value.extra == "train"
