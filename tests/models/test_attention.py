@@ -20,6 +20,8 @@ from jaxrl.models.splash import splash_attention
 from jaxrl.models.config import ATTENTION_IMPL_NAMES
 from models_reference import decode, forward, padded_batch, qwen3_config, random_model
 
+pytestmark = pytest.mark.fully_optimised  # compared with transformers at float32 rounding (conftest.py)
+
 HEADS, GROUPS, DIM = 2, 3, 8  # K kv heads, G query heads per kv head (GQA), head size
 
 

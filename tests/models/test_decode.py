@@ -13,6 +13,8 @@ import pytest
 from jaxrl.models import load_hf_checkpoint
 from models_reference import VOCAB, decode, forward, qwen3_config, qwen3_moe_config, random_model, reference_logits
 
+pytestmark = pytest.mark.fully_optimised  # compared with transformers at float32 rounding (conftest.py)
+
 PROMPT, NEW = 6, 4
 
 

@@ -14,6 +14,8 @@ from safetensors.numpy import save_file
 from jaxrl.models import MeshConfig, load_hf_checkpoint, make_mesh, save_hf_checkpoint
 from models_reference import padded_batch, qwen3_config, qwen3_moe_config, random_model, reference_logits
 
+pytestmark = pytest.mark.fully_optimised  # compared with transformers at float32 rounding (conftest.py)
+
 FSDP = ("fsdp", "sequence")  # the "embed" rule: parameters shard over fsdp and context-parallel devices
 
 

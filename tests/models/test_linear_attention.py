@@ -20,6 +20,8 @@ from jaxrl.models import linear_attention as la
 from jaxrl.models import linear_layers as ll
 from jaxrl.models.layers import Attention
 
+pytestmark = pytest.mark.fully_optimised  # compared with transformers at float32 rounding (conftest.py)
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 

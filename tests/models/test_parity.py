@@ -14,6 +14,8 @@ from jaxrl.models import megablox
 from jaxrl.models.layers import GroupedMatmul
 from models_reference import padded_batch, qwen3_config, qwen3_moe_config, random_model, reference_logits
 
+pytestmark = pytest.mark.fully_optimised  # compared with transformers at float32 rounding (conftest.py)
+
 TOL = 1e-5
 
 

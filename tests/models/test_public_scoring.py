@@ -5,9 +5,12 @@ import os
 import re
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxrl.models import Decoder, ModelConfig, save_hf_checkpoint
+
+pytestmark = pytest.mark.fully_optimised  # compared with transformers at float32 rounding (conftest.py)
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
                     "alignment.md")
