@@ -60,6 +60,7 @@ def test_when_needed_skips_the_redundant_recompute_and_trains_as_the_recomputing
     ({"rollout": {"logprob_kind": "processed", "temperature": 0.7}}, "logprob_kind is not raw"),
     ({"rollout": {"max_staleness": 1}}, "rollout.max_staleness=1 (samples come from older weights)"),
     ({"rollout": {"partial_tokens": 2}}, "rollout.partial_tokens=2 (carried samples hold tokens of older weights)"),
+    ({"logging": {"dump_batch_every": 1}}, "logging.dump_batch_every=1 (the dumped batches hold the learner's"),
 ])
 def test_when_needed_keeps_the_recompute_where_it_is_needed(files, tmp_path, caplog, change, reason):
     """Later mini-batches and asynchronous rollouts are off-policy, corrections and the batch filter read the

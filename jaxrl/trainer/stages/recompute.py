@@ -94,6 +94,8 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
                                            "from older weights)"),
         (config.rollout.partial_tokens > 0, f"rollout.partial_tokens={config.rollout.partial_tokens} (carried "
                                             "samples hold tokens of older weights)"),
+        (config.logging.dump_batch_every > 0, f"logging.dump_batch_every={config.logging.dump_batch_every} (the "
+                                              "dumped batches hold the learner's recompute for the alignment checker)"),
     ) if failed]
     try:
         fast = dataclasses.replace(objective, bypass=True)
