@@ -116,9 +116,13 @@ def _run(files, out, monkeypatch, *, steps: int = 1, objective=None, advantage=N
 
 
 def _model_logp(run: Run, params, tokens):
-    model = nnx.merge(run.graphdef, params)
-    logp, entropy, _ = model.token_logprobs(*(jnp.asarray(x) for x in tokens.model_inputs()),
-                                            chunk_size=run.config.update.logprob_chunk_size)
+    return _logp(run.graphdef, run.config.update.logprob_chunk_size, params, tokens)
+
+
+def _logp(graphdef, chunk_size: int, params, tokens):
+    """The learner's per-token logprobs and entropies of ``tokens`` (a batch) under ``params``."""
+    model = nnx.merge(graphdef, params)
+    logp, entropy, _ = model.token_logprobs(*(jnp.asarray(x) for x in tokens.model_inputs()), chunk_size=chunk_size)
     return logp, entropy
 
 
@@ -155,12 +159,11 @@ class NumpyAdam:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "objective"))
 def _library_grad(params, mini, key, *, graphdef, chunk_size: int, objective: losses.ObjectiveConfig):
-    """``jax.grad`` of ``rl_objective`` on one mini-batch: one compiled program for every mini-batch
-    of a run (op by op it took most of a test's time)."""
+    """``jax.grad`` of ``rl_objective`` on one mini-batch, one compiled program for every mini-batch of
+    a run rather than op-by-op dispatch (measured: 86.9 -> 81.6 s for the policy-loss tests)."""
 
     def loss(p):
-        model = nnx.merge(graphdef, p)
-        logp, entropy, _ = model.token_logprobs(*mini.model_inputs(), chunk_size=chunk_size)
+        logp, entropy = _logp(graphdef, chunk_size, p, mini)
         return losses.rl_objective(objective, logp, mini.old_logp, mini.advantages, mini.mask,
                                    rollout_logp=mini.rollout_logp, ref_logp=mini.ref_logp, entropy=entropy,
                                    normalizer=losses.loss_normalizer(objective.aggregation, mini.mask), key=key)[0]
