@@ -18,7 +18,6 @@ import gc
 import os
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 
@@ -27,6 +26,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import repo_guard  # noqa: E402
 import suite_settings  # noqa: E402
+from server_ports import free_base_port  # noqa: E402
 
 os.environ.setdefault("XLA_FLAGS", suite_settings.xla_flags())
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -80,18 +80,6 @@ def _release_compiled_programs():
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
         gc.collect()
-
-
-def _free_base_port(count: int, first: int = 31200) -> int:
-    for base in range(first, 32000, 10):
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no free ports in {first}-32000")
 
 
 class SGLangFleet:
@@ -194,13 +182,12 @@ def _sglang_fleets(request, tmp_path_factory):
     """Every fleet the selected tests use, started side by side at the first test that needs one
     (start-up is mostly Python imports: overlapped, the fleets are up sooner than one by one)."""
     names = sorted(request.config.stash.get(_FLEETS_USED, set()) or _FLEETS)
-    fleets, port = {}, 31200
+    fleets = {}
     try:
         for name in names:
             make_config, num_servers, api_key = _FLEETS[name]
-            port = _free_base_port(num_servers, port)
+            port = free_base_port(num_servers)
             fleets[name] = SGLangFleet(tmp_path_factory.mktemp(name), make_config(), num_servers, port, api_key)
-            port += num_servers
         with concurrent.futures.ThreadPoolExecutor(len(fleets)) as pool:
             for future in [pool.submit(fleet.start) for fleet in fleets.values()]:
                 future.result()

@@ -18,15 +18,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 
 import numpy as np
 import pytest
 import yaml
 
-from jax_processes import REPO, child_env, free_port
+from jax_processes import REPO, child_env
 from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
+from server_ports import free_base_port
 from test_distributed_rl import _restore_params
 
 pytestmark = [
@@ -40,19 +40,6 @@ STEPS = 2
 KILL_AT = 6
 ATOL = 1e-5  # parameters after 3 steps: float32 reductions in another order (as test_distributed_rl)
 METRICS = ("update/loss", "update/grad_norm", "recompute/entropy")
-
-
-def _base_port() -> int:
-    """A port whose next one is free too (two servers take consecutive ports)."""
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +66,7 @@ def _train_args(files, out, hosts: int, devices_per_host: int, learner: list[int
         'reward.tasks={math: {kind: format, pattern: "^[0-9]"}}', "optimizer.lr=1e-3",
         "logging.progress=false", "logging.plots=false", "logging.tensorboard=false",
         "mesh.data=1", "mesh.fsdp=4", "rollout.engine=sglang",
-        f"rollout.sglang.server.model_path={root / 'hf'}", f"rollout.sglang.server.base_port={_base_port()}",
+        f"rollout.sglang.server.model_path={root / 'hf'}", f"rollout.sglang.server.base_port={free_base_port(2)}",
         f"rollout.sglang.server.log_dir={out / 'servers'}", "rollout.sglang.server.startup_timeout_s=300",
         f"rollout.sglang.push.checkpoint_dir={out / 'pushed'}", "rollout.sglang.push.probe_ids=[1, 5, 9, 3, 12]",
         f"placement={{hosts: {hosts}, devices_per_host: {devices_per_host}, learner_devices: {learner}}}",

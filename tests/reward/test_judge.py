@@ -37,6 +37,7 @@ from jaxrl.rollout.sglang.judge import JudgeServerConfig, SGLangJudge
 from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
 from jaxrl.rollout.sglang.testing import write_bigram_checkpoint
 from jaxrl.trainer.config import TrainConfig
+from server_ports import free_base_port
 
 VERDICTS = ("\\boxed{1}", "\\boxed{0}", "\\boxed{0.5}", "score: 1")  # the judge's replies, one token each
 MARKERS = {"A": "\\boxed{1}", "B": "\\boxed{0}", "C": "\\boxed{0.5}", "D": "score: 1"}
@@ -195,7 +196,7 @@ def judge(tmp_path_factory):
         verdict = MARKERS.get(char, VERDICTS[ord(char) % len(VERDICTS)])
         next_token[tokenizer.convert_tokens_to_ids(char)] = tokenizer.convert_tokens_to_ids(verdict)
     write_bigram_checkpoint(str(tmp / "model"), config, next_token)
-    server = ServerConfig(model_path=str(tmp / "model"), base_port=_free_port(), log_dir=str(tmp / "logs"),
+    server = ServerConfig(model_path=str(tmp / "model"), base_port=free_base_port(), log_dir=str(tmp / "logs"),
                           max_total_tokens=65536, startup_timeout_s=300, stop_timeout_s=2)
     managed = SGLangJudge(JudgeServerConfig(tokenizer=str(tmp / "tokenizer"), server=server, use_chat_template=False))
     yield Judge(managed, next_token, str(tmp / "tokenizer"))

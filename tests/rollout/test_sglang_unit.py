@@ -11,7 +11,6 @@ import base64
 import os
 import http.server
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -36,15 +35,10 @@ from jaxrl.rollout.sglang import (
 )
 from jaxrl.rollout.sglang.client import parse_samples
 from jaxrl.rollout.sglang.testing import random_decoder, write_random_checkpoint
+from server_ports import free_base_port
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
             head_dim=8, max_position_embeddings=64)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # A meta_info.routed_experts recorded from a real SGLang 0.5.23 CPU server (Qwen3-MoE,
@@ -165,14 +159,14 @@ def test_tensor_parallel_memory_and_gpus_are_fields_and_reach_each_server():
 
 
 def test_missing_model_path_names_the_path(tmp_path):
-    manager = ServerManager(ServerConfig(model_path=str(tmp_path / "nope"), base_port=free_port()))
+    manager = ServerManager(ServerConfig(model_path=str(tmp_path / "nope"), base_port=free_base_port()))
     with pytest.raises(FileNotFoundError, match=r"ServerConfig.model_path: .*nope.*folder does not exist"):
         manager.start()
     assert not manager.is_running(0)
 
 
 def test_unreachable_server_fails_after_n_tries_naming_server_and_request():
-    port = free_port()
+    port = free_base_port()
     failures = []
     client = SGLangClient([f"http://127.0.0.1:{port}"], ClientConfig(max_tries=3, backoff_s=0.01),
                           on_failure=failures.append)
@@ -248,7 +242,7 @@ def test_push_whose_version_does_not_change_is_an_error(stub_engine):
 
 def test_raw_request_on_a_processed_fleet_is_refused(stub_engine, tmp_path):
     engine, _ = stub_engine
-    config = ServerConfig(model_path=engine.manager.model_path, base_port=free_port(),
+    config = ServerConfig(model_path=engine.manager.model_path, base_port=free_base_port(),
                           logprob_kind=LogprobKind.PROCESSED)
     processed = SGLangEngine(ServerManager(config))
     with pytest.raises(ValueError, match="logprob_kind is RAW but the servers were started with"):
@@ -333,14 +327,7 @@ def test_no_server_outlives_a_crashed_trainer(tmp_path, mode):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     pids_file = tmp_path / "pids"
-    base = free_port()
-    while True:  # two consecutive free ports
-        try:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", base + 1))
-            break
-        except OSError:
-            base = free_port()
+    base = free_base_port(2)
     result = subprocess.run(
         [sys.executable, "-c", FAKE_TRAINER, str(tmp_path / "model"), str(base), str(tmp_path / "fake"),
          str(pids_file), str(tmp_path / "logs"), mode],
@@ -457,7 +444,7 @@ def test_generated_key_reaches_sglang_as_api_key_but_no_command_line_or_log(tmp_
     from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV
 
     record = tmp_path / "record.json"
-    config = ServerConfig(model_path=str(tmp_path / "model"), host="0.0.0.0", base_port=free_port(),
+    config = ServerConfig(model_path=str(tmp_path / "model"), host="0.0.0.0", base_port=free_base_port(),
                           python=sys.executable, log_dir=str(tmp_path / "logs"), startup_timeout_s=60,
                           env={"PYTHONPATH": _fake_sglang(tmp_path), "FAKE_RECORD": str(record)})
     manager = ServerManager(config)
@@ -481,7 +468,7 @@ def test_a_crashed_keyed_server_s_log_tail_is_redacted(tmp_path):
     from jaxrl.rollout.sglang.access import REDACTED
 
     config = ServerConfig(model_path=str(tmp_path / "model"), api_key="s3cret-key-for-the-log",
-                          base_port=free_port(), python=sys.executable, log_dir=str(tmp_path / "logs"),
+                          base_port=free_base_port(), python=sys.executable, log_dir=str(tmp_path / "logs"),
                           env={"PYTHONPATH": _fake_sglang(tmp_path), "FAKE_RECORD": str(tmp_path / "r.json"),
                                "FAKE_MODE": "crash"})
     with pytest.raises(ServerStartError, match="exited with code 3") as err:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
+from server_ports import free_base_port
 
 pytestmark = [
     pytest.mark.sglang,
@@ -25,8 +26,6 @@ def test_rl_steps_with_sglang_engine_synchronous_asynchronous_and_in_memory(tmp_
     checkpoint, and the server serves each update it hands over: every batch matches the
     learner's recompute. Its ``chunk_mib`` is below the smallest tensor, so each push sends
     every tensor of the checkpoint in a request of its own."""
-    import socket
-
     import jax
 
     from jaxrl.config import from_dict
@@ -43,10 +42,8 @@ def test_rl_steps_with_sglang_engine_synchronous_asynchronous_and_in_memory(tmp_
     write_random_checkpoint(model_path, ModelConfig(
         vocab_size=17, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=8, max_position_embeddings=64), seed=0, matrix_scale=3.0)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = {"model_path": model_path, "base_port": port, "log_dir": str(tmp_path / "logs"), "startup_timeout_s": 300}
+    server = {"model_path": model_path, "base_port": free_base_port(), "log_dir": str(tmp_path / "logs"),
+              "startup_timeout_s": 300}
     push = {"method": "disk", "checkpoint_dir": str(tmp_path / "pushed"), "probe_ids": [1, 5, 9, 3, 12]}
 
     # 1e-5 MiB = 10 bytes, below the smallest tensor (a norm of head_dim = 8 floats).
