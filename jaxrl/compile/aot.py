@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl.compile import gpus
 from jaxrl.errors import InputError
 from jaxrl.models import Decoder, ModelConfig, make_mesh
 from jaxrl.models.attention import resolve_attention_impl
@@ -34,10 +35,25 @@ from jaxrl.trainer.stages import frozen_policy_steps, objective_for_run, sampler
 from jaxrl.trainer.update import abstract_train_state, build_optimizer, build_train_step, rl_loss_fn
 
 
-def topology_devices(name: str, slices: int = 1) -> list:
-    """The devices of TPU topology ``name`` (as JAX spells it: ``v5p:4x4x2``, ``v5e:2x2``, ``v6e:4x4``,
-    ``v4:2x2x2``) times ``slices`` (multi-slice, DCN between slices); InputError for a name libtpu rejects."""
+def topology_devices(name: str, slices: int = 1, placement=None) -> list:
+    """The devices of topology ``name``: a GPU one (``h100:2x8``, jaxrl.compile.gpus) or a TPU one as JAX
+    spells it (``v5p:4x4x2``, ``v5e:2x2``, ``v6e:4x4``, ``v4:2x2x2``) times ``slices`` (multi-slice, DCN
+    between slices); InputError for a name neither accepts. With a ``placement`` (a PlacementConfig)
+    a GPU topology is the cluster's and the devices are the learner's share: its GPUs on each host."""
     from jax.experimental import topologies
+
+    gpu = gpus.parse_topology(name)
+    if gpu is not None:
+        chip, hosts, per_host = gpu
+        if slices != 1:
+            raise InputError("--slices is for TPU multi-slice; a GPU topology names its hosts: CHIP:HOSTSxGPUS")
+        if placement is not None:
+            if (placement.hosts, placement.devices_per_host) != (hosts, per_host):
+                raise InputError(f"--topology {name!r} is {hosts} hosts x {per_host} GPUs but the config's placement "
+                                 f"is {placement.hosts} x {placement.devices_per_host}: name the cluster the "
+                                 "placement lays out")
+            per_host = len(placement.learner_devices)  # what JAX sees on each host: the learner's GPUs
+        return gpus.gpu_devices(chip, hosts, per_host)
 
     try:
         import libtpu  # noqa: F401  (describes TPU topologies; nothing runs on a TPU)
@@ -84,7 +100,7 @@ class Compiled:
     xla_flops: float
     compile_seconds: float
     refused: str = ""  # XLA's own out-of-memory message when it refused to compile (temp_bytes: what it asked for)
-    kernels: tuple[str, ...] = ()  # the Mosaic (Pallas) kernels in the compiled program: mosaic_kernels()
+    kernels: tuple[str, ...] = ()  # the kernels XLA did not generate (Mosaic, cuDNN, cuBLAS): kernels_called()
 
     @property
     def total_bytes(self) -> int:
@@ -181,24 +197,25 @@ def rl_step_programs(config: TrainConfig, model_config: ModelConfig, devices: li
     param_bytes, state_bytes = per_device_bytes(state["params"]), per_device_bytes(state)
     # The reference is a copy of the initial parameters, alive for the whole run.
     held = param_bytes if reference else 0
-    n, impl = matmul_params(c), resolve_attention_impl(c.attention_impl, "tpu", length=length,
-                                                        block_size=c.attention_block_size)
-    splash = impl == "splash"
-    experts = grouped_expert_params(c)  # TPU runs every MoE layer's experts through gmm
+    platform = devices[0].platform
+    n, impl = matmul_params(c), resolve_attention_impl(c.attention_impl, platform, length=length,
+                                                        block_size=c.attention_block_size, dtype=c.dtype)
+    kernel = impl in ("splash", "cudnn")  # a custom call: XLA does not count its FLOPs
+    experts = grouped_expert_params(c) if platform == "tpu" else 0.0  # TPU runs the experts through gmm
     rows = shapes["update_rows"]
     train_attention = (1 + BACKWARD_ATTENTION) * attention_flops(c, rows, length)
     programs = [Program(
         "train_step", f"optimizer step: {rows} rows x {length} tokens in {config.update.micro_batches} micro-batches, "
         f"remat {c.remat}, attention {impl}" + (", layers scanned" if c.scan_layers else ""),
         lambda: step.lower(state, batch), model_flops=6.0 * n * rows * length + train_attention,
-        kernel_flops=(train_attention if splash else 0.0) + 6.0 * experts * rows * length,
+        kernel_flops=(train_attention if kernel else 0.0) + 6.0 * experts * rows * length,
         min_hbm_bytes=2 * state_bytes, resident_bytes=held)]
     scorer = LogprobScorer(graphdef, mesh, shapes["score_rows"], config.update.logprob_chunk_size,
                            devices=batch_devices(mesh))
     score_rows = shapes["score_rows"]
     score_attention = attention_flops(c, score_rows, length)
     score = dict(model_flops=2.0 * n * score_rows * length + score_attention,
-                 kernel_flops=(score_attention if splash else 0.0) + 2.0 * experts * score_rows * length,
+                 kernel_flops=(score_attention if kernel else 0.0) + 2.0 * experts * score_rows * length,
                  min_hbm_bytes=param_bytes,
                  resident_bytes=state_bytes - param_bytes + held)
     if not objective.bypass:
@@ -259,6 +276,17 @@ def mosaic_kernels(hlo_text: str) -> tuple[str, ...]:
     return tuple(sorted(set(_KERNEL_CALL.findall(hlo_text))))
 
 
+# A GPU library call in compiled HLO: custom_call_target="__cudnn$fmhaSoftmaxBackward", "__cublas$gemm", ...
+_LIBRARY_CALL = re.compile(r'custom_call_target="(__(?:cudnn|cublas)[^"]*)"')
+
+
+def kernels_called(hlo_text: str) -> tuple[str, ...]:
+    """The kernels a compiled program calls that XLA did not generate: Mosaic kernels on TPU
+    (:func:`mosaic_kernels`), cuDNN and cuBLAS calls on NVIDIA GPUs (``__cudnn$fmhaSoftmax``,
+    ``__cudnn$fmhaSoftmaxBackward``, ``__cublas$gemm``, ...)."""
+    return tuple(sorted(set(mosaic_kernels(hlo_text)) | set(_LIBRARY_CALL.findall(hlo_text))))
+
+
 def compile_programs(programs: list[Program], on_done: Callable[[Compiled], None] | None = None) -> list[Compiled]:
     """Lower and compile each program (one compile for programs that name ``same_as``). A program XLA
     refuses for want of HBM is a result (``refused``, with the bytes it asked for), not an error."""
@@ -286,7 +314,7 @@ def compile_programs(programs: list[Program], on_done: Callable[[Compiled], None
                     program, memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.alias_size_in_bytes,
                     memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
                     float((cost or {}).get("flops", 0.0)), time.perf_counter() - start,
-                    kernels=mosaic_kernels(compiled.as_text()))
+                    kernels=kernels_called(compiled.as_text()))
         if on_done is not None:
             on_done(results[program.name])
     return list(results.values())

@@ -1,8 +1,10 @@
-"""``jaxrl compile CONFIG --topology NAME [key=value ...]``: compile one RL step's programs for a TPU topology.
+"""``jaxrl compile CONFIG --topology NAME [key=value ...]``: compile one RL step's programs for a TPU or GPU topology.
 
-Run with .venv-tpu's interpreter (``bash scripts/setup_tpu_aot.sh``; docs/tpu.md). Exit status: 0 every
-program fits the device's HBM; 1 one does not (a line per program naming the bytes, the HBM and the
-config keys that would help); 2 bad input (config, topology, model shapes) or no libtpu.
+Run TPU topologies with .venv-tpu's interpreter (``bash scripts/setup_tpu_aot.sh``; docs/tpu.md), NVIDIA
+GPU ones (``h100:2x8``: CHIP:HOSTSxGPUS) with .venv-cuda-aot's (``bash scripts/setup_cuda_aot.sh``;
+docs/gpu-aot.md). Exit status: 0 every program fits the device's memory; 1 one does not (a line per program
+naming the bytes, the memory and the config keys that would help); 2 bad input (config, topology, model
+shapes) or no compiler for the topology.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="jaxrl compile", description="Compile one RL step's programs ahead of time for a TPU topology "
-        "(no TPU needed) and report per-device memory, FLOPs and a roofline.",
+        prog="jaxrl compile", description="Compile one RL step's programs ahead of time for a TPU or NVIDIA GPU "
+        "topology (no TPU or GPU needed) and report per-device memory, FLOPs and a roofline.",
         epilog="Overrides use the config's dotted keys, e.g. mesh.data=2 update.micro_batches=16.")
     parser.add_argument("config", help="a YAML or JSON RL config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="optional key=value overrides")
-    parser.add_argument("--topology", required=True, help="a TPU topology as JAX names it: v5p:4x4x2, v5e:2x2, ...")
+    parser.add_argument("--topology", required=True,
+                        help="a TPU topology as JAX names it (v5p:4x4x2, v5e:2x2, ...) or GPUs as CHIP:HOSTSxGPUS "
+                        "(h100:2x8; chips a100, h100, h200, b200); with a placement, the cluster it lays out")
     parser.add_argument("--slices", type=int, default=1, help="slices of that topology (multi-slice over DCN)")
     parser.add_argument("--model-config", default="",
                         help="a preset (qwen3-8b, qwen3-30b-a3b) or a config.json; default: model.hf_path's "
@@ -55,8 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             hf_config, source = hf_config_for(policy.hf_path, args.model_config)
             model_config = ModelConfig.from_hf(hf_config, **policy.overrides())
-        devices = aot.topology_devices(args.topology, args.slices)
-        target = report.target_for(args.topology, devices)
+        devices = aot.topology_devices(args.topology, args.slices, config.placement)
+        fraction = config.placement.learner_memory_fraction if config.placement is not None else None
+        if fraction is None and os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"):
+            fraction = float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+        target = report.target_for(args.topology, devices, fraction)
         programs, mesh = aot.rl_step_programs(config, model_config, devices)
         if args.only:
             wanted = set(args.only.split(","))
@@ -68,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"{args.config} on {args.topology}{f' x {args.slices} slices' if args.slices > 1 else ''}: "
           f"{target.devices} x {devices[0].device_kind}, mesh {dict(mesh.shape)}; model from {source}", flush=True)
-    print(f"HBM per device {target.hbm_bytes / report.GIB:.2f} GiB from {target.hbm_source}", flush=True)
+    print(f"memory per device {target.hbm_bytes / report.GIB:.2f} GiB: {target.hbm_source}", flush=True)
     start = time.perf_counter()
     # A line as each program is done: a large model's programs take minutes each to compile.
     results = aot.compile_programs(programs, on_done=lambda r: print(

@@ -1,9 +1,12 @@
 """The compile report: per program and per chip, memory against HBM, FLOPs and a roofline lower bound.
 
 Chip figures per TPU generation come from Google Cloud's TPU system-architecture pages
-(cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e): HBM per chip, peak bf16 FLOP/s and HBM bandwidth.
-A topology described by libtpu on a machine without TPUs has no addressable devices, so
-``device.memory_stats()`` (which would give ``bytes_limit``) is refused; it is used when it answers.
+(cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e): HBM per chip, peak bf16 FLOP/s and HBM bandwidth;
+per NVIDIA GPU from jaxrl.compile.gpus (the datasheets). A topology described on a machine without
+its chips has no addressable devices, so ``device.memory_stats()`` (which would give ``bytes_limit``)
+is refused; it is used when it answers. On a GPU, JAX takes only a share of the memory
+(``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 unless set; ``placement.learner_memory_fraction`` sets it),
+and that share is what a program must fit in.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import math
 from typing import Any
 
+from jaxrl.compile import gpus
 from jaxrl.compile.aot import Compiled
 
 GIB = 2.0 ** 30
@@ -21,7 +25,7 @@ DOCS = "Cloud TPU system architecture docs (cloud.google.com/tpu/docs/system-arc
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One TPU chip: HBM bytes, peak bf16 FLOP/s, HBM bytes/s."""
+    """One chip: HBM bytes, peak bf16 FLOP/s, HBM bytes/s."""
 
     name: str
     hbm_bytes: float
@@ -58,10 +62,21 @@ class Target:
         return self.chip.hbm_bandwidth / self.devices_per_chip
 
 
-def target_for(topology: str, devices: list) -> Target:
+JAX_GPU_MEMORY_FRACTION = 0.75  # JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION
+
+
+def target_for(topology: str, devices: list, memory_fraction: float | None = None) -> Target:
     """The Target of ``devices`` (a topology's): chip figures from CHIPS, HBM from ``memory_stats()``
-    when the device answers (never for a described topology without TPUs), else from CHIPS."""
+    when the device answers (never for a described topology without its chips), else from CHIPS; on a
+    GPU the share of it JAX takes, ``memory_fraction`` (default: JAX's, 0.75)."""
     kind = devices[0].device_kind
+    gpu = gpus.chip_of(kind)
+    if gpu is not None:
+        fraction = JAX_GPU_MEMORY_FRACTION if memory_fraction is None else memory_fraction
+        chip = Chip(kind, gpu.memory_bytes, gpu.peak_bf16_flops, gpu.memory_bandwidth)
+        return Target(topology, len(devices), chip, 1, fraction * gpu.memory_bytes,
+                      f"the datasheet's {gpu.memory_bytes / GIB:.2f} GiB (CUDA's totalGlobalMem) x {fraction:g}, the "
+                      "share JAX takes (XLA_PYTHON_CLIENT_MEM_FRACTION; placement.learner_memory_fraction)")
     if kind not in CHIPS:
         raise ValueError(f"device kind {kind!r} has no entry in jaxrl.compile.report.CHIPS ({sorted(CHIPS)})")
     chip = CHIPS[kind]
@@ -106,7 +121,7 @@ def refusals(results: list[Compiled], target: Target) -> list[str]:
     """One line per program that does not fit the device's HBM."""
     return [f"{r.program.name} needs {r.total_bytes / GIB:.2f} GiB per device ({r.total_bytes} bytes"
             f"{', XLA refused to compile it: ' + r.refused if r.refused else ''}) but a {target.chip.name} device "
-            f"has {target.hbm_bytes / GIB:.2f} GiB HBM; {advice(r)}" for r in results if not fits(r, target)]
+            f"has {target.hbm_bytes / GIB:.2f} GiB HBM for it; {advice(r)}" for r in results if not fits(r, target)]
 
 
 def table(results: list[Compiled], target: Target) -> str:

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl.models.config import ATTENTION_IMPL_NAMES
+from jaxrl.models.cudnn import DTYPES as CUDNN_DTYPES
+from jaxrl.models.cudnn import cudnn_attention
 from jaxrl.models.sharding import target_platform
 from jaxrl.models.splash import splash_attention
 
@@ -309,38 +311,56 @@ ATTENTION_IMPLS: dict[str, AttentionFn] = {
     "xla": _xla_impl,
     "chunked": _chunked_impl,
     "splash": splash_attention,
+    "cudnn": cudnn_attention,
 }
 # Kernels that serve the full forward only (queries = keys = the row's tokens in order); attention over a
-# KV cache (fewer queries than keys: decoding, a prefill into a longer cache) runs DECODE_IMPL instead.
-FULL_FORWARD_ONLY = frozenset({"splash"})
+# KV cache (decoding, a prefill into the cache) runs DECODE_IMPL instead.
+FULL_FORWARD_ONLY = frozenset({"splash", "cudnn"})
 DECODE_IMPL = "chunked"
 # What "auto" means per target platform (`sharding.target_platform`); a platform not listed gets AUTO_DEFAULT.
-AUTO_IMPLS: dict[str, str] = {"tpu": "splash"}
+AUTO_IMPLS: dict[str, str] = {"tpu": "splash", "gpu": "cudnn"}
 AUTO_DEFAULT = "chunked"
 
 
 def resolve_attention_impl(name: str, backend: str | None = None, *, length: int | None = None,
-                           block_size: int | None = None) -> str:
+                           block_size: int | None = None, dtype=None) -> str:
     """The implementation `name` runs on `backend` (default: the mesh's platform, else jax's): "auto" ->
     AUTO_IMPLS / AUTO_DEFAULT, except that attention whose queries and keys fit in one block
     (`length <= block_size`) runs the xla einsum: a single block saves no memory, and short sequences
-    keep the reference numerics."""
+    keep the reference numerics; and that a compute `dtype` cuDNN does not take (float32) runs
+    AUTO_DEFAULT on a GPU."""
     if name not in ATTENTION_IMPL_NAMES:
         raise ValueError(f"attention_impl = {name!r}; choose one of {list(ATTENTION_IMPL_NAMES)}")
     if name == "auto":
         if length is not None and block_size is not None and length <= block_size:
             return "xla"
-        return AUTO_IMPLS.get(backend or target_platform(), AUTO_DEFAULT)
+        auto = AUTO_IMPLS.get(backend or target_platform(), AUTO_DEFAULT)
+        if auto == "cudnn" and dtype is not None and jnp.dtype(dtype) not in CUDNN_DTYPES:
+            return AUTO_DEFAULT
+        return auto
     return name
 
 
 def attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, impl: str = "auto", scale: float,
-              dtype, block_size: int = 512) -> jax.Array:
+              dtype, block_size: int = 512, full_forward: bool = True) -> jax.Array:
     """Dispatch to `ATTENTION_IMPLS[resolve_attention_impl(impl)]` (`DECODE_IMPL` for a full-forward-only
-    kernel over a KV cache); shapes as `xla_attention`."""
-    name = resolve_attention_impl(impl, length=max(q.shape[1], k.shape[1]), block_size=block_size)
-    if name in FULL_FORWARD_ONLY and q.shape[1] != k.shape[1]:
+    kernel over a KV cache: `full_forward=False`, or fewer queries than keys); shapes as `xla_attention`."""
+    name = resolve_attention_impl(impl, length=max(q.shape[1], k.shape[1]), block_size=block_size, dtype=dtype)
+    if name in FULL_FORWARD_ONLY and (not full_forward or q.shape[1] != k.shape[1]):
         name = DECODE_IMPL
     fn = ATTENTION_IMPLS[name]
     return fn(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, scale=scale, dtype=dtype,
               block_size=block_size)
+
+
+def packed_rows_impl(impl: str, platform: str) -> str:
+    """The attention implementation for packed rows (several sequences in a row) when the model's is
+    ``impl`` on ``platform``: ``auto``, which would be cuDNN on a GPU, runs ``chunked``; an explicit
+    ``cudnn``, which masks a row by its length, is refused (ValueError naming the keys)."""
+    if resolve_attention_impl(impl, platform) != "cudnn":
+        return impl
+    if impl == "cudnn":
+        raise ValueError("model.attention_impl: cudnn masks a row by its length, so it cannot keep the sequences "
+                         "of a packed row apart; set update.pack (sft.pack) to false, or model.attention_impl to "
+                         "auto (chunked for packed rows) or chunked")
+    return AUTO_DEFAULT

@@ -20,7 +20,7 @@ REMAT_POLICY_NAMES = ("full", "save_dots", "save_attention_out")
 MLP_KINDS = ("dense", "moe")
 # Softmax-attention implementation (`ModelConfig.attention_impl`): "auto" picks one per backend;
 # `jaxrl.models.attention.ATTENTION_IMPLS` maps every other name to its function.
-ATTENTION_IMPL_NAMES = ("auto", "xla", "chunked", "splash")
+ATTENTION_IMPL_NAMES = ("auto", "xla", "chunked", "splash", "cudnn")
 # Context parallelism of the full forward (`ModelConfig.context_parallel`): "auto" = Ulysses when the current
 # mesh shards "length" (jaxrl.models.context_parallel), "none" = never, "ulysses" = always (error without).
 CONTEXT_PARALLEL_NAMES = ("auto", "none", "ulysses")

@@ -182,7 +182,8 @@ class Attention(nnx.Module):
         run = (attention if cp_plan is None
                else functools.partial(context_parallel.ulysses_attention, plan=cp_plan))
         out = run(q, k, v, q_slot, kv_slot, segment_ids, kv_segment_ids, impl=c.attention_impl,
-                  scale=c.head_dim ** -0.5, dtype=dtype, block_size=c.attention_block_size)
+                  scale=c.head_dim ** -0.5, dtype=dtype, block_size=c.attention_block_size,
+                  **({} if cache is None else {"full_forward": False}))
         out = out.reshape(batch, length, c.num_heads, c.head_dim)
         if c.attention_output_gate:
             out = out * jax.nn.sigmoid(gate)
@@ -208,10 +209,13 @@ class MLP(nnx.Module):
 
 
 def ragged_dot_is_sparse() -> bool:
-    """Whether this backend runs `jax.lax.ragged_dot` as a grouped matmul. XLA:CPU rewrites it
-    into a dense dot over all groups (E times the FLOPs: measured in bench/moe_step.py). The
-    platform is the program's target (the mesh's devices), not necessarily this process's."""
-    return target_platform() != "cpu"
+    """Whether this program's target runs `jax.lax.ragged_dot` as a grouped matmul. None does today
+    apart from TPUs, which run megablox instead: XLA:CPU rewrites it into a dense dot over all
+    groups (E times the FLOPs: bench/moe_step.py), and so does XLA:GPU in jaxlib 0.10.2 (compiled
+    for an H100 target, 16384 rows x 128 experts x 2048 -> 768: an [rows, E * 2048] one-hot
+    operand, 8,240 MiB of temporaries forward and 22,528 MiB with its gradient, against 2,047 and
+    1,988 MiB blocked; docs/gpu-aot.md)."""
+    return False
 
 
 class GroupedMatmul:
@@ -220,11 +224,12 @@ class GroupedMatmul:
 
     `impl` (default: by the target platform): "gmm", the megablox Pallas kernel on TPU
     (`jaxrl.models.megablox`; under a multi-device mesh only inside `jax.shard_map`);
-    "ragged_dot", `jax.lax.ragged_dot` where the backend runs it sparsely (GPU); "blocked"
-    elsewhere (CPU), a grouped matmul of the same FLOPs order: each expert's rows are padded to a
-    multiple of a block of `block` rows, every block holds one expert's rows, and the blocks run
-    as one batched matmul against their expert's weight, `2 (rows + E (block - 1)) D N` FLOPs
-    instead of `2 rows E D N`. All are deterministic (fixed row order, one dot per row).
+    "ragged_dot", `jax.lax.ragged_dot` where the backend runs it sparsely (none yet:
+    `ragged_dot_is_sparse`); "blocked" elsewhere (CPU, GPU), a grouped matmul of the same FLOPs
+    order: each expert's rows are padded to a multiple of a block of `block` rows, every block
+    holds one expert's rows, and the blocks run as one batched matmul against their expert's
+    weight, `2 (rows + E (block - 1)) D N` FLOPs instead of `2 rows E D N`. All are deterministic
+    (fixed row order, one dot per row).
     """
 
     def __init__(self, group_sizes: jax.Array, rows: int, dtype, *, impl: str | None = None):

@@ -222,3 +222,25 @@ def batch_shardings(batch: Any, mesh: jax.sharding.Mesh) -> Any:
         names = ("batch", "length")[: np.ndim(x)] + (None,) * max(np.ndim(x) - 2, 0)
         return NamedSharding(mesh, logical_to_spec(names, np.shape(x), mesh))
     return jax.tree.map(sharding, batch)
+
+
+def per_device_sequences(fn: Callable, q, k, v, q_segment_ids, kv_segment_ids, *, impl: str):
+    """``fn(q, k, v, q_segment_ids, kv_segment_ids)`` run on each device's whole sequences, for an attention
+    kernel the compiler cannot partition by itself (``impl``: its ``attention_impl`` name, for errors).
+
+    Under a mesh the call runs inside ``jax.shard_map``: rows split over the "batch" axes and key/value
+    heads over "act_heads", q ``[B, T, K, G, D]``, k/v ``[B, T, K, D]``, segment ids ``[B, T]``; the result
+    is sharded as q. Without a mesh, or inside a shard_map already (context parallelism, which holds whole
+    sequences), ``fn`` runs as it is. A mesh that shards "length" needs context parallelism: ValueError."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.are_all_axes_manual:
+        return fn(q, k, v, q_segment_ids, kv_segment_ids)
+    batch, length, kv_heads = k.shape[:3]
+    spec = logical_to_spec(("batch", "length", "act_heads"), (batch, length, kv_heads), mesh)
+    if math.prod(mesh.shape[a] for a in spec_axes(spec[1])) > 1:
+        raise ValueError(f"attention_impl = {impl!r} needs whole sequences per device, but the mesh shards "
+                         "'length'; set model.context_parallel to 'auto' or 'ulysses'")
+    spec = PartitionSpec(spec[0], None, spec[2])
+    rows = PartitionSpec(spec[0], None)
+    return jax.shard_map(fn, in_specs=(spec, spec, spec, rows, rows), out_specs=spec, check_vma=False)(
+        q, k, v, q_segment_ids, kv_segment_ids)

@@ -10,20 +10,16 @@ padded up to a multiple of the kernel block with a segment id (-1) that no token
 are never visible and padded queries see only padding; their outputs are dropped. Grouped-query
 attention maps onto the kernel's multi-query form: each key/value head with its `G` query heads.
 
-Mosaic kernels cannot be partitioned automatically: under a mesh the call runs inside `jax.shard_map`,
-rows split over the "batch" axes and key/value heads over "act_heads" (whole sequences per device; a
-mesh that shards "length" must use context parallelism, whose shard_map already holds whole sequences).
+Mosaic kernels cannot be partitioned automatically: under a mesh the call runs per device
+(`sharding.per_device_sequences`: rows over the "batch" axes, key/value heads over "act_heads").
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
-from jaxrl.models.sharding import logical_to_spec, spec_axes, target_platform
+from jaxrl.models.sharding import per_device_sequences, target_platform
 
 BLOCK_MULTIPLE = 128  # TPU kernel blocks are multiples of the 128-lane width
 PAD_SEGMENT = -1
@@ -78,18 +74,7 @@ def splash_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *,
     if not interpret and platform != "tpu":
         raise ValueError(f"attention_impl = 'splash' is the TPU Pallas kernel; this backend is "
                          f"{platform!r}: choose 'auto', 'chunked' or 'xla'")
-    kwargs = dict(scale=scale, dtype=dtype, block_size=block_size, interpret=interpret)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.are_all_axes_manual:  # one device, or inside a shard_map (context parallelism)
-        return _local(q, k, v, q_segment_ids, kv_segment_ids, **kwargs)
-    batch, length, kv_heads = k.shape[:3]
-    spec = logical_to_spec(("batch", "length", "act_heads"), (batch, length, kv_heads), mesh)
-    if math.prod(mesh.shape[a] for a in spec_axes(spec[1])) > 1:
-        raise ValueError("attention_impl = 'splash' needs whole sequences per device, but the mesh shards "
-                         "'length'; set model.context_parallel to 'auto' or 'ulysses'")
-    spec = PartitionSpec(spec[0], None, spec[2])
-    rows = PartitionSpec(spec[0], None)
-    return jax.shard_map(
-        lambda q, k, v, qs, ks: _local(q, k, v, qs, ks, **kwargs),
-        in_specs=(spec, spec, spec, rows, rows), out_specs=spec, check_vma=False,
-    )(q, k, v, q_segment_ids, kv_segment_ids)
+    return per_device_sequences(
+        lambda q, k, v, qs, ks: _local(q, k, v, qs, ks, scale=scale, dtype=dtype, block_size=block_size,
+                                       interpret=interpret),
+        q, k, v, q_segment_ids, kv_segment_ids, impl="splash")

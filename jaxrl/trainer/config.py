@@ -45,7 +45,7 @@ class PolicyConfig:
     dtype: Literal["float32", "bfloat16"] | None = None
     param_dtype: Literal["float32", "bfloat16"] | None = None
     remat: Literal["none", "full", "save_dots", "save_attention_out"] | None = None
-    attention_impl: Literal["auto", "xla", "chunked", "splash"] | None = None
+    attention_impl: Literal["auto", "xla", "chunked", "splash", "cudnn"] | None = None
     attention_block_size: int | None = None
     context_parallel: Literal["auto", "none", "ulysses"] | None = None
     scan_layers: bool | None = None

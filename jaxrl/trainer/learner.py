@@ -26,7 +26,7 @@ class Learner:
 
     def __init__(self, config: TrainConfig, mesh: jax.sharding.Mesh, objective: ObjectiveConfig, frozen_steps: int):
         u = config.update
-        model = build_model(config.model, mesh)
+        model = build_model(config.model, mesh, packed_rows=u.pack)
         check_update_options(u, model, mesh)
         self.moe_layers = model.config.moe_layer_indices
         self.frozen_steps = frozen_steps

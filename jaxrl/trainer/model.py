@@ -3,12 +3,16 @@ options that depend on what that model is."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import jax
 from flax import nnx
 
 from jaxrl.distributed.placement import learner_devices
 from jaxrl.errors import InputError
 from jaxrl.models import Decoder, create_sharded_model, load_hf_checkpoint, make_mesh
+from jaxrl.models.attention import packed_rows_impl
 from jaxrl.models.packing import shared_prefix_blocker
 
 
@@ -21,8 +25,19 @@ def learner_mesh(config) -> jax.sharding.Mesh:
     return make_mesh(config.mesh, devices)
 
 
-def build_model(policy, mesh: jax.sharding.Mesh) -> Decoder:
-    """The learner's Decoder, sharded on ``mesh``: from ``policy.hf_path`` or a random init."""
+def build_model(policy, mesh: jax.sharding.Mesh, packed_rows: bool = False) -> Decoder:
+    """The learner's Decoder, sharded on ``mesh``: from ``policy.hf_path`` or a random init. With
+    ``packed_rows`` (update.pack, sft.pack) its attention is one that keeps a row's sequences apart:
+    ``auto`` runs ``chunked`` where it would be cuDNN (``models.cudnn.packed_rows_impl``)."""
+    if packed_rows:
+        impl = policy.attention_impl or (policy.architecture.attention_impl if policy.architecture else "auto")
+        try:
+            chosen = packed_rows_impl(impl, mesh.devices.flat[0].platform)
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        if chosen != impl:
+            logging.getLogger(__name__).info("packed rows: model.attention_impl %s runs %s", impl, chosen)
+            policy = dataclasses.replace(policy, attention_impl=chosen)
     if policy.hf_path:
         return load_hf_checkpoint(policy.hf_path, mesh=mesh, **policy.overrides())
     config = policy.architecture.replace(**policy.overrides())

@@ -61,7 +61,7 @@ class SFTTrainer:
         self.lengths = lengths
         self.mesh = learner_mesh(config)
         host_memory.keep_freed_memory(self.mesh)
-        model = build_model(config.model, self.mesh)
+        model = build_model(config.model, self.mesh, packed_rows=config.sft.pack)
         self.total_steps = sum(s.steps for s in config.sft.stages)
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_steps)
         self.train_step, self.state = make_train_step(

@@ -8,62 +8,24 @@ Pallas kernels in the compiled programs (splash attention inside ``shard_map``; 
 topology too; an oversized model is refused with exit 1 and the keys that would help.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
-import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TPU_PYTHON = ROOT / ".venv-tpu" / "bin" / "python"
+from aot_runs import ARCHITECTURE, MOE, OVERSIZED, TPU_PYTHON, compile_config, programs_by_name, rl_config
 
 pytestmark = pytest.mark.skipif(not TPU_PYTHON.exists(), reason="run scripts/setup_tpu_aot.sh first")
 
-ARCHITECTURE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=32, max_position_embeddings=512)
-MOE = dict(ARCHITECTURE, mlp_types=["moe", "moe"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 # The splash kernels by the start of the names XLA gives them in the compiled HLO
 # (jaxrl.compile.aot.mosaic_kernels): splash_mqa_fwd_segmented_no_residuals, ...
 SPLASH_FORWARD = ("splash_mqa_fwd",)
 SPLASH_BACKWARD = ("splash_mqa_dq", "splash_mqa_dkv")
 
 
-def _config(tmp_path, architecture, mesh, evaluate: bool = False, scan_layers: bool = False, **sections) -> str:
-    """An RL config over ``architecture`` (random init: nothing is read); ``evaluate`` adds held-out
-    files, so the eval sampler's program compiles too."""
-    config = {
-        "output_dir": str(tmp_path / "run"), "steps": 10,
-        "model": {"architecture": architecture, "dtype": "bfloat16", "remat": "save_dots",
-                  "attention_impl": "splash", "attention_block_size": 128, "scan_layers": scan_layers},
-        "mesh": mesh,
-        "data": {"tokenizer": "unused", "train_files": ["unused.jsonl"],
-                 "eval_files": ["unused.jsonl"] if evaluate else [], "max_prompt_tokens": 64},
-        "reward": {"tasks": {"math": {"kind": "math"}}, "default_task": "math"},
-        "rollout": {"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 192},
-        "update": {"mini_batches": 2, "micro_batches": 2},
-        "eval": {"max_prompts": 8, "samples": 1},
-        **sections,
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
+def _config(tmp_path, architecture, mesh, **kwargs) -> str:
+    return rl_config(tmp_path, architecture, mesh, attention_impl="splash", **kwargs)
 
 
-def _compile(config: str, topology: str, tmp_path, *extra) -> tuple[subprocess.CompletedProcess, dict | None]:
-    report = tmp_path / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    done = subprocess.run([str(TPU_PYTHON), "-m", "jaxrl.cli", "compile", config, "--topology", topology,
-                           "--json", str(report), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    sys.stdout.write(done.stdout)
-    return done, json.loads(report.read_text()) if report.exists() else None
-
-
-def _programs(report: dict) -> dict:
-    return {p["name"]: p for p in report["programs"]}
+def _compile(config: str, topology: str, tmp_path, *extra):
+    return compile_config(TPU_PYTHON, config, topology, tmp_path, *extra)
 
 
 def _has_kernels(program: dict, *prefixes: str) -> bool:
@@ -76,7 +38,7 @@ def test_dense_model_compiles_for_v5e_over_fsdp_and_tensor(tmp_path):
                      objective={"kl_kind": "k3-as-loss", "kl_coef": 0.01})
     done, report = _compile(config, "v5e:2x2", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    programs = _programs(report)
+    programs = programs_by_name(report)
     assert report["chip"]["name"] == "v5e" and report["devices"] == 4 and report["fits"]
     assert set(programs) == {"train_step", "old_logprob_scorer", "reference_scorer", "sampler"}
     # T = 64 + 192 - 1 = 255 > one 128 block: the splash kernels are in the compiled programs (and XLA
@@ -99,7 +61,7 @@ def test_moe_model_compiles_for_v5p_over_data_fsdp_and_expert(tmp_path):
     done, report = _compile(config, "v5p:2x2x2", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert report["chip"]["name"] == "v5p" and report["devices"] == 8 and report["fits"]
-    programs = _programs(report)
+    programs = programs_by_name(report)
     assert {"train_step", "old_logprob_scorer", "sampler"} <= set(programs)
     assert "fits: smallest headroom" in done.stdout
     # The experts run in megablox kernels: gmm forward everywhere, tgmm (the weight gradient) in the step.
@@ -122,20 +84,17 @@ def test_each_models_train_step_compiles_for_the_other_topology(tmp_path, archit
                             "--only", "train_step")
     assert done.returncode == 0, done.stderr[-3000:]
     assert report["fits"] and report["devices"] == (8 if topology.startswith("v5p") else 4)
-    train_step = _programs(report)["train_step"]
+    train_step = programs_by_name(report)["train_step"]
     assert _has_kernels(train_step, *SPLASH_FORWARD, *SPLASH_BACKWARD)
     assert ("moe" in architecture.get("mlp_types", ())) == _has_kernels(train_step, "gmm", "tgmm")
 
 
 def test_oversized_model_is_refused_with_the_keys_that_help(tmp_path):
-    # One layer, but 2 x 262144 x 12288 embedding and LM head weights: with AdamW's moments 12 bytes a
-    # weight, 18 GiB per v5e device of 16 over fsdp = 4 (a small graph, so it compiles fast).
-    big = dict(ARCHITECTURE, vocab_size=262144, hidden_size=12288, num_heads=96, num_kv_heads=8, head_dim=128,
-               num_layers=1)
-    config = _config(tmp_path, big, {"fsdp": 4})
+    # 18 GiB per v5e device of 16 over fsdp = 4
+    config = _config(tmp_path, OVERSIZED, {"fsdp": 4})
     done, report = _compile(config, "v5e:2x2", tmp_path, "--only", "train_step")
     assert done.returncode == 1, done.stderr[-3000:]
-    assert not report["fits"] and not _programs(report)["train_step"]["fits"]
+    assert not report["fits"] and not programs_by_name(report)["train_step"]["fits"]
     line = next(x for x in done.stderr.splitlines() if "does not fit: train_step" in x)
     for needle in ("GiB per device", "16.00 GiB HBM", "update.micro_batches", "model.remat", "mesh.fsdp"):
         assert needle in line, line

@@ -105,11 +105,14 @@ def test_chunked_equals_xla_values_and_gradients(case, block_q, block_k):
         _close(got, want)
 
 
-# Kernels of other backends run in the Pallas interpreter here (the same kernel program, on CPU).
+# Kernels of other backends run in the Pallas interpreter here (the same kernel program, on CPU). cuDNN has
+# no interpreter: its wrapper runs with JAX's reference kernel below, its lowering is checked for an H100 by
+# tests/compile/test_gpu_aot.py and its values on a GPU by bench/gpu_checks.sh.
 INTERPRET = {"splash"}
+GPU_ONLY = {"cudnn"}
 
 
-@pytest.mark.parametrize("name", sorted(ATTENTION_IMPLS))
+@pytest.mark.parametrize("name", sorted(set(ATTENTION_IMPLS) - GPU_ONLY))
 def test_every_registered_impl_equals_xla(name):
     t, s, *masks = _case("packed")
     qkv, cotangent = _inputs(t, s, seed=1)
@@ -201,10 +204,50 @@ def test_chunked_bfloat16_close_to_xla():
 def test_registry_and_auto():
     assert set(ATTENTION_IMPLS) == set(ATTENTION_IMPL_NAMES) - {"auto"}
     assert [resolve_attention_impl("auto", backend) for backend in ("cpu", "gpu", "tpu")] == [
-        "chunked", "chunked", "splash"]
+        "chunked", "cudnn", "splash"]
+    # cuDNN takes bfloat16 and float16: a float32 model's "auto" on a GPU is chunked
+    assert resolve_attention_impl("auto", "gpu", dtype=jnp.float32) == "chunked"
+    assert resolve_attention_impl("auto", "gpu", dtype=jnp.bfloat16) == "cudnn"
     assert resolve_attention_impl("xla") == "xla"
-    with pytest.raises(ValueError, match="attention_impl = 'flash'.*'auto', 'xla', 'chunked', 'splash'"):
+    with pytest.raises(ValueError, match="attention_impl = 'flash'.*'auto', 'xla', 'chunked', 'splash', 'cudnn'"):
         resolve_attention_impl("flash")
+
+
+@pytest.mark.parametrize("case", ["one_sequence", "right_pad"])
+def test_cudnn_wrapper_equals_xla_with_the_reference_kernel(case, monkeypatch):
+    """jaxrl's side of cuDNN attention (grouped heads folded into cuDNN's query heads, the row's length
+    as its padding mask, odd lengths padded to even) with ``jax.nn.dot_product_attention``'s own XLA
+    implementation in place of the cuDNN kernel (same arguments): values and gradients of the real
+    tokens in bfloat16, against `xla_attention`. A padded query's output is unused (cuDNN zeroes it)."""
+    from jaxrl.models import cudnn
+
+    reference = jax.nn.dot_product_attention
+    monkeypatch.setattr(cudnn.jax.nn, "dot_product_attention",
+                        lambda *a, implementation, **kw: reference(*a, implementation="xla", **kw))
+    monkeypatch.setattr(cudnn, "target_platform", lambda: "gpu")
+    t, s, *masks = _case(case)
+    qkv, cotangent = _inputs(t, s, seed=5, dtype=jnp.bfloat16)
+    real = jnp.asarray(masks[2] != 0)
+    cotangent = cotangent * real[:, :, None, None, None]
+    out, grads = _value_and_grads(cudnn.cudnn_attention, qkv, masks, cotangent, dtype=jnp.bfloat16)
+    out_x, grads_x = _value_and_grads(xla_attention, qkv, masks, cotangent, dtype=jnp.bfloat16)
+    _close(np.asarray(out)[np.asarray(real)], np.asarray(out_x)[np.asarray(real)], rel=3e-2)
+    for got, want in zip(grads, grads_x, strict=True):
+        _close(np.asarray(got, np.float32), np.asarray(want, np.float32), rel=3e-2)
+
+
+def test_cudnn_refuses_other_backends_float32_and_packed_rows():
+    from jaxrl.models.attention import packed_rows_impl
+    from jaxrl.models.cudnn import cudnn_attention
+
+    qkv, _ = _inputs(8, 8, dtype=jnp.bfloat16)
+    rows = (jnp.ones((2, 8), jnp.int32),) * 4
+    with pytest.raises(ValueError, match="'cudnn' is NVIDIA's fused attention; this backend is 'cpu'"):
+        cudnn_attention(*qkv, *rows, scale=1.0, dtype=jnp.bfloat16)
+    assert packed_rows_impl("auto", "gpu") == "chunked" and packed_rows_impl("auto", "tpu") == "auto"
+    assert packed_rows_impl("xla", "gpu") == "xla"
+    with pytest.raises(ValueError, match="model.attention_impl: cudnn .* set update.pack"):
+        packed_rows_impl("cudnn", "gpu")
 
 
 @pytest.mark.parametrize("case", ["one_sequence", "right_pad", "left_pad"])
@@ -235,7 +278,7 @@ def test_splash_refuses_other_backends_and_leaves_the_cache_to_chunked():
 
 @pytest.mark.parametrize("changes,pattern", [
     (dict(attention_impl="flash"),
-     r"attention_impl = 'flash'; choose one of \['auto', 'xla', 'chunked', 'splash'\]"),
+     r"attention_impl = 'flash'; choose one of \['auto', 'xla', 'chunked', 'splash', 'cudnn'\]"),
     (dict(attention_block_size=0), r"attention_block_size must be a positive integer, got 0"),
 ])
 def test_bad_attention_fields_are_named(changes, pattern):

@@ -80,3 +80,16 @@ def test_a_tokenizer_without_pad_pads_with_eos(tmp_path, run_config, demo_files,
     config = run_config(tmp_path / "out", data={"tokenizer": folder},
                         sft={"batch_size": 4, "stages": [{"steps": 2, "max_length": 16}]})
     assert main([command, write_config(tmp_path, config)]) == 0
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_cudnn_attention_with_packed_rows_is_named(tmp_path, run_config, capfd, command):
+    """cuDNN masks a row by its length, so packed rows would see each other's tokens: refused before the
+    model is built (``auto`` runs chunked for packed rows instead: tests/models/test_attention.py)."""
+    packed = {"update": {"pack": True}} if command == "train" else {"sft": {"pack": True, "stages": [
+        {"steps": 1, "max_length": 16}]}}
+    config = run_config(tmp_path / "out", model={"attention_impl": "cudnn"}, **packed)
+    config["data"]["response_field"] = "answer"
+    one_line_exit_2(capfd, [command, write_config(tmp_path, config)],
+                    "model.attention_impl: cudnn masks a row by its length, so it cannot keep the sequences of a "
+                    "packed row apart; set update.pack (sft.pack) to false")
