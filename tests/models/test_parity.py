@@ -133,6 +133,31 @@ def test_grouped_matmul_matches_per_row_reference(impl):
     np.testing.assert_allclose(np.asarray(jax.jit(grouped.__call__)(lhs, rhs)), expected, atol=1e-5, rtol=0)
 
 
+def test_blocked_matmul_in_groups_equals_all_blocks_at_once(monkeypatch):
+    """Past ``GATHER_BYTES`` of gathered expert weights the blocks run in groups (lax.map, the backward
+    gathering again): forward, input and weight gradients equal the one-einsum path's; rows past the
+    groups still give 0."""
+    from jaxrl.models import layers
+
+    sizes, lhs, rhs, expected = _grouped_case()
+    cotangent = np.random.default_rng(2).standard_normal(expected.shape).astype(np.float32)
+
+    def value_and_grads():
+        blocked = GroupedMatmul(jnp.asarray(sizes), lhs.shape[0], jnp.float32, impl="blocked")
+        assert blocked.padded_rows // blocked.block > 3  # several groups of 3 blocks and a remainder
+        out = jax.jit(blocked.__call__)(lhs, rhs)
+        grads = jax.jit(jax.grad(lambda a, b: jnp.sum(blocked(a, b) * cotangent), argnums=(0, 1)))(lhs, rhs)
+        return out, grads
+
+    at_once, at_once_grads = value_and_grads()
+    monkeypatch.setattr(layers, "GATHER_BYTES", 3 * 12 * 7 * 4)  # three blocks' float32 [12, 7] weights
+    grouped, grouped_grads = value_and_grads()
+    np.testing.assert_allclose(np.asarray(grouped), expected, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(at_once), atol=1e-6, rtol=0)
+    for got, want in zip(grouped_grads, at_once_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
 def test_megablox_gmm_matches_reference_and_blocked_gradients():
     """The TPU kernel (Pallas interpreter on CPU): the per-row reference forward, zeros past the groups
     although the kernel leaves those rows unwritten, and the blocked path's input and weight gradients."""
