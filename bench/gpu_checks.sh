@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks, as one run on a lent NVIDIA machine: jaxrl vs Tunix at a 0.6B-class shape in
-# bfloat16 (bench/vs_tunix.py --shapes 0.6b), learner MFU of a 1B-class model (bench/learner_mfu.py
-# --preset 1b), and the learner's side of a colocated placement (placement: JAX restricted to the
+# The GPU checks, as one run on a lent NVIDIA machine: cuDNN attention against xla and chunked in
+# values, gradients and tokens/s at 8K and 32K (bench/gpu_attention_check.py), jaxrl vs Tunix at a
+# 0.6B-class shape in bfloat16 (bench/vs_tunix.py --shapes 0.6b), learner MFU of a 1B-class model
+# (bench/learner_mfu.py --preset 1b), and the learner's side of a colocated placement (placement: JAX restricted to the
 # placement's GPU with its share of the memory, as jaxrl train does before JAX starts), each under
 # its own time limit. SGLang is not on that machine and too large to carry (the 64 MiB limit), so
 # the colocated server itself cannot run there. That machine's python3
@@ -10,7 +11,7 @@
 # (about 25 MB), then carry them.
 #
 #   bash bench/gpu_checks.sh --fetch                  # here: the wheels into .whl/ (git-ignored)
-#   bash bench/gpu_checks.sh [tunix|mfu|placement]    # there, with .whl carried; logs to $OUT
+#   bash bench/gpu_checks.sh [attention|tunix|mfu|placement]   # there, with .whl carried; logs to $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The packages the image lacks or holds in another version (JAX stays the image's CUDA build), at
@@ -52,6 +53,9 @@ print(f"placement: JAX sees {jax.devices()}, may take {limit / 2**30:.1f} of {to
       f"({limit / total:.3f}; asked 0.4)")
 assert len(jax.devices()) == 1 and abs(limit / total - 0.4) < 0.02
 PY
+fi
+if [ "${1:-all}" = all ] || [ "${1:-all}" = attention ]; then
+  timeout 240 python3 bench/gpu_attention_check.py 2>&1 | tee "$OUT/attention.log" || status=1
 fi
 if [ "${1:-all}" = all ] || [ "${1:-all}" = tunix ]; then
   timeout 300 python3 bench/vs_tunix.py --python python3 --device gpu --dtype bfloat16 --shapes 0.6b --quick \

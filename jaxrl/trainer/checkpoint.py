@@ -73,6 +73,9 @@ class _OrbaxFailureReports(logging.Filter):
 
     LOGGERS = ("absl", "asyncio")
     _ORBAX = f"{os.sep}orbax{os.sep}checkpoint{os.sep}"
+    # An error raised inside tensorstore has no Orbax frame in its traceback, only the folder Orbax
+    # writes into ("ck/2.orbax-checkpoint-tmp/state...": a full disk's ENOSPC, found in a CI run).
+    _ORBAX_FOLDER = ".orbax-checkpoint-tmp"
 
     def __init__(self):
         super().__init__()
@@ -101,7 +104,8 @@ class _OrbaxFailureReports(logging.Filter):
         text = record.getMessage()
         if record.exc_info:
             text += "\n" + "".join(traceback.format_exception(*record.exc_info))
-        if self._ORBAX not in (record.pathname if record.name == "absl" else text):
+        where = record.pathname if record.name == "absl" else text
+        if self._ORBAX not in where and self._ORBAX_FOLDER not in where:
             return True
         if self.failed is None:
             self.failed = text.splitlines()[0]
