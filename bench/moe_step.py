@@ -1,7 +1,7 @@
 """Train-step FLOPs and time of a Qwen3-MoE-shaped layer stack vs the dense model holding all experts.
 
 The MoE stack (default E=64 experts, k=8 per token, small width) runs its experts through the
-model's grouped matmul (`jaxrl.models.layers.GroupedMatmul`: the blocked form on CPU, ragged_dot
+model's grouped matmul (`jaxrl.models.moe.GroupedMatmul`: the blocked form on CPU, ragged_dot
 on GPU, megablox gmm on TPU). The dense model runs every token through one SwiGLU of width
 E * moe_intermediate_size, i.e. every expert's weights. Both train steps (one SGD step of a
 token-logprob loss plus the MoE's load-balancing loss) are compiled and timed in the same run.
@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from jaxrl.models import Decoder, MeshConfig, ModelConfig, create_sharded_model, make_mesh
-from jaxrl.models import layers
+from jaxrl.models import moe as moe_module
 from jaxrl.trainer.update import make_train_step
 
 
@@ -92,7 +92,7 @@ def main():
     moe_flops, moe_ms = measure_step(moe, args.batch, args.length, args.runs)
     rows = [("dense (all experts)", dense_flops, dense_ms), ("MoE grouped matmul", moe_flops, moe_ms)]
     if args.ragged_dot:
-        layers.ragged_dot_is_sparse = lambda: True  # force the ragged_dot path for this compile
+        moe_module.ragged_dot_is_sparse = lambda: True  # force the ragged_dot path for this compile
         rows.append(("MoE ragged_dot forced", measure_step(moe, args.batch, args.length, 0)[0], float("nan")))
     print(f"{'path':<22} {'step FLOPs':>11} {'/dense':>8} {'ms':>9} {'/dense':>8}")
     for name, flops, ms in rows:

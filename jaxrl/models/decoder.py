@@ -29,7 +29,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.layers import F32, MLP, Attention, MoE, RMSNorm, make_param, write_rows
+from jaxrl.models.layers import F32, MLP, Attention, RMSNorm, make_param, write_rows
+from jaxrl.models.moe import MoE
 from jaxrl.models.linear_layers import GatedDeltaNet, LightningAttention
 from jaxrl.models.lm_head import token_logprobs_and_entropy
 from jaxrl.models.sharding import constrain

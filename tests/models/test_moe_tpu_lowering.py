@@ -21,7 +21,7 @@ import jax, jax.numpy as jnp
 from flax import nnx
 from jax.experimental import topologies
 from jaxrl.models import MeshConfig, ModelConfig, make_mesh
-from jaxrl.models.layers import MoE
+from jaxrl.models.moe import MoE
 from jaxrl.models.sharding import state_shardings
 
 devices = list(topologies.get_topology_desc(platform="tpu", topology_name=sys.argv[1]).devices)

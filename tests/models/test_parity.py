@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxrl.models import Decoder, MeshConfig, ModelConfig, create_sharded_model, load_hf_checkpoint, make_mesh
 from jaxrl.models import megablox
-from jaxrl.models.layers import GroupedMatmul
+from jaxrl.models.moe import GroupedMatmul
 from models_reference import padded_batch, qwen3_config, qwen3_moe_config, random_model, reference_logits
 
 pytestmark = pytest.mark.fully_optimised  # compared with transformers at float32 rounding (conftest.py)
@@ -137,7 +137,7 @@ def test_blocked_matmul_in_groups_equals_all_blocks_at_once(monkeypatch):
     """Past ``GATHER_BYTES`` of gathered expert weights the blocks run in groups (lax.map, the backward
     gathering again): forward, input and weight gradients equal the one-einsum path's; rows past the
     groups still give 0."""
-    from jaxrl.models import layers
+    from jaxrl.models import moe
 
     sizes, lhs, rhs, expected = _grouped_case()
     cotangent = np.random.default_rng(2).standard_normal(expected.shape).astype(np.float32)
@@ -150,7 +150,7 @@ def test_blocked_matmul_in_groups_equals_all_blocks_at_once(monkeypatch):
         return out, grads
 
     at_once, at_once_grads = value_and_grads()
-    monkeypatch.setattr(layers, "GATHER_BYTES", 3 * 12 * 7 * 4)  # three blocks' float32 [12, 7] weights
+    monkeypatch.setattr(moe, "GATHER_BYTES", 3 * 12 * 7 * 4)  # three blocks' float32 [12, 7] weights
     grouped, grouped_grads = value_and_grads()
     np.testing.assert_allclose(np.asarray(grouped), expected, atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(grouped), np.asarray(at_once), atol=1e-6, rtol=0)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import Decoder, MeshConfig, ModelConfig, make_mesh, shard_model
-from jaxrl.models.layers import MoE
+from jaxrl.models.moe import MoE
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
                      head_dim=8, mlp_types=("moe", "dense", "moe"), num_experts=8, num_experts_per_tok=2,
