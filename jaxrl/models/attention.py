@@ -34,6 +34,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxrl.errors import InputError
 from jaxrl.models.config import ATTENTION_IMPL_NAMES
 from jaxrl.models.cudnn import DTYPES as CUDNN_DTYPES
 from jaxrl.models.cudnn import cudnn_attention
@@ -356,11 +357,11 @@ def attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *, impl: 
 def packed_rows_impl(impl: str, platform: str) -> str:
     """The attention implementation for packed rows (several sequences in a row) when the model's is
     ``impl`` on ``platform``: ``auto``, which would be cuDNN on a GPU, runs ``chunked``; an explicit
-    ``cudnn``, which masks a row by its length, is refused (ValueError naming the keys)."""
+    ``cudnn``, which masks a row by its length, is refused (InputError naming the keys)."""
     if resolve_attention_impl(impl, platform) != "cudnn":
         return impl
     if impl == "cudnn":
-        raise ValueError("model.attention_impl: cudnn masks a row by its length, so it cannot keep the sequences "
+        raise InputError("model.attention_impl: cudnn masks a row by its length, so it cannot keep the sequences "
                          "of a packed row apart; set update.pack (sft.pack) to false, or model.attention_impl to "
                          "auto (chunked for packed rows) or chunked")
     return AUTO_DEFAULT

@@ -31,10 +31,7 @@ def build_model(policy, mesh: jax.sharding.Mesh, packed_rows: bool = False) -> D
     ``auto`` runs ``chunked`` where it would be cuDNN (``models.cudnn.packed_rows_impl``)."""
     if packed_rows:
         impl = policy.attention_impl or (policy.architecture.attention_impl if policy.architecture else "auto")
-        try:
-            chosen = packed_rows_impl(impl, mesh.devices.flat[0].platform)
-        except ValueError as e:
-            raise InputError(str(e)) from None
+        chosen = packed_rows_impl(impl, mesh.devices.flat[0].platform)
         if chosen != impl:
             logging.getLogger(__name__).info("packed rows: model.attention_impl %s runs %s", impl, chosen)
             policy = dataclasses.replace(policy, attention_impl=chosen)
