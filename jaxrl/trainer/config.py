@@ -93,10 +93,10 @@ class UpdateConfig:
     steps over the same batch (trajectory reuse, PPO's epochs: E x S updates per batch, later
     ones further off-policy; the clip and the mismatch corrections see the lag). micro_batches: gradient
     accumulation inside each optimizer step (same update as one big batch). Whether ``old_logp``
-    is recomputed or bypassed is ``objective.bypass``; recompute_old_logp: "always", or
-    "when_needed": skip the learner's recompute where it is redundant (the embedded sampler on
-    the learner's own arrays, raw logprobs, one mini-batch, nothing in the objective that needs
-    the learner-versus-engine ratio; docs/training.md#skipping-a-redundant-recompute).
+    is recomputed or bypassed is ``objective.bypass``; recompute_old_logp: "when_needed" (the
+    default) skips the learner's recompute where it is redundant (the embedded sampler on the
+    learner's own arrays, raw logprobs, one mini-batch, nothing in the objective that needs the
+    learner-versus-engine ratio; docs/training.md#skipping-a-redundant-recompute), "always" keeps it.
     reference_metrics: compute the reference model's logprobs for the KL metrics even when the objective has no KL term.
     logprob_chunk_size: tokens per chunk of the learner's LM head (logprobs and entropy are
     computed chunk by chunk, never as a whole ``[B, T, V]`` logits array).
@@ -121,7 +121,7 @@ class UpdateConfig:
     mini_batches: int = 1
     epochs: int = 1
     micro_batches: int = 1
-    recompute_old_logp: Literal["always", "when_needed"] = "always"
+    recompute_old_logp: Literal["always", "when_needed"] = "when_needed"
     reference_metrics: bool = False
     logprob_chunk_size: int = 1024
     pack: bool = False

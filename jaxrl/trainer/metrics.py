@@ -22,8 +22,11 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-# What the progress shows, when present.
-_BAR_KEYS = {"reward": "reward/mean", "entropy": "recompute/entropy", "loss": "update/loss", "time": "time/step"}
+# The policy's token entropy: the recompute's (the whole batch, before the update) when the step
+# ran one, else the update's (SFT; RL with objective.bypass or a skipped redundant recompute).
+ENTROPY_KEYS = ("recompute/entropy", "update/entropy")
+# What the progress shows, when present (the first key present of each).
+_BAR_KEYS = {"reward": ("reward/mean",), "entropy": ENTROPY_KEYS, "loss": ("update/loss",), "time": ("time/step",)}
 # Plain progress lines per run when the output is not a terminal.
 PLAIN_LINES = 20
 
@@ -121,7 +124,8 @@ def _drop_after(path: str, step: int) -> None:
 
 
 def _shown(row: Mapping[str, float | None]) -> dict[str, str]:
-    return {label: f"{row[k]:.3g}" for label, k in _BAR_KEYS.items() if row.get(k) is not None}
+    shown = {label: next((row[k] for k in keys if row.get(k) is not None), None) for label, keys in _BAR_KEYS.items()}
+    return {label: f"{value:.3g}" for label, value in shown.items() if value is not None}
 
 
 class _Bar:

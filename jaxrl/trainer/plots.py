@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxrl.reward.base import BUILTIN_REWARD_RANGE
+from jaxrl.trainer.metrics import ENTROPY_KEYS
 
 
 def _series(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -42,11 +43,6 @@ def _save(fig, path: str) -> str:
     fig.savefig(path, dpi=100)
     _pyplot().close(fig)
     return path
-
-
-# The policy's token entropy: the recompute's (the whole batch, before the update) when the run
-# has one, else the update's (SFT, or RL with objective.bypass).
-ENTROPY_KEYS = ("recompute/entropy", "update/entropy")
 
 
 def entropy_key(rows: Sequence[dict]) -> str:

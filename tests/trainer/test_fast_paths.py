@@ -1,4 +1,4 @@
-"""The trainer's fast paths, proven where users turn them on: ``update.recompute_old_logp``."""
+"""The trainer's fast paths, proven where users meet them: ``update.recompute_old_logp: when_needed``."""
 
 import logging
 

@@ -80,7 +80,8 @@ def test_conversations_train_on_the_model_tokens_only(files, tmp_path, monkeypat
     monkeypatch.setattr(reward_stage, "with_environment_rewards",
                         lambda scored, samples: combined.append((scored, with_environment_rewards(scored, samples)))
                         or combined[-1][1])
-    trainer = RLTrainer(make_config(files, tmp_path, steps=1, env=ENV))
+    # The learner's own recompute (the default skips it here), so that the check below compares it with the engine's.
+    trainer = RLTrainer(make_config(files, tmp_path, steps=1, env=ENV, update={"recompute_old_logp": "always"}))
     taken = []
     take = trainer.stage("rollout").queue.take
     trainer.stage("rollout").queue.take = lambda index: taken.append(take(index)) or taken[-1]
