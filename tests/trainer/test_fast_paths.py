@@ -9,6 +9,7 @@ from jaxrl.trainer.metrics import read_jsonl
 from jaxrl.trainer.rl import RLTrainer
 
 import test_loop
+import test_multiturn
 from test_loop import _run, make_config
 
 files = test_loop.files  # test_loop's pytest fixture, bound here so that pytest finds it for this module's tests
@@ -61,11 +62,16 @@ def test_when_needed_skips_the_redundant_recompute_and_trains_as_the_recomputing
     ({"rollout": {"max_staleness": 1}}, "rollout.max_staleness=1 (samples come from older weights)"),
     ({"rollout": {"partial_tokens": 2}}, "rollout.partial_tokens=2 (carried samples hold tokens of older weights)"),
     ({"logging": {"dump_batch_every": 1}}, "logging.dump_batch_every=1 (the dumped batches hold the learner's"),
+    ({"model": {"architecture": {**test_loop.ARCHITECTURE, "mlp_types": ["moe"], "num_experts": 4,
+                                 "num_experts_per_tok": 2, "moe_intermediate_size": 16}}},
+     "the model has MoE layers (routing/disagreement"),
+    ({"env": test_multiturn.ENV}, "env: conversations (mismatch_turn/*"),
 ])
 def test_when_needed_keeps_the_recompute_where_it_is_needed(files, tmp_path, caplog, change, reason):
     """Later mini-batches and asynchronous rollouts are off-policy, corrections and the batch filter read the
-    learner-versus-engine ratio, processed logprobs are not the learner's: each keeps the
-    recompute (the objective is not switched to bypass) and the log says why."""
+    learner-versus-engine ratio, processed logprobs are not the learner's, an MoE model's and a
+    conversation's recompute is also their check: each keeps the recompute (the objective is not
+    switched to bypass) and the log says why."""
     sections = {"update": {"recompute_old_logp": "when_needed", **change.get("update", {})}}
     sections.update({k: v for k, v in change.items() if k != "update"})
     with caplog.at_level(logging.INFO, logger="jaxrl.trainer.rl"):

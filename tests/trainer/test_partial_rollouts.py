@@ -172,10 +172,13 @@ def run(config, resume=False):
 
 
 def test_whole_samples_in_one_round_are_the_synchronous_loop(files, tmp_path):
-    """partial_tokens >= max_new_tokens, partial_groups = prompts_per_step: bit for bit the same run."""
+    """partial_tokens >= max_new_tokens, partial_groups = prompts_per_step: bit for bit the same run.
+    Both recompute ``old_logp`` (partial rollouts always do; the synchronous loop would skip it under
+    ``when_needed``), so the two loops are compared, not the recompute option."""
     rows = {}
     for name, rollout in (("sync", {}), ("partial", {"partial_tokens": 6, "partial_groups": 4})):
-        rows[name], params, _ = run(make_config(files, tmp_path / name, steps=2, rollout=rollout))
+        rows[name], params, _ = run(make_config(files, tmp_path / name, steps=2, rollout=rollout,
+                                                update={"recompute_old_logp": "always"}))
         rows[name + "_params"] = params
     for a, b in zip(rows["sync_params"], rows["partial_params"], strict=True):
         np.testing.assert_array_equal(a, b)

@@ -27,6 +27,8 @@ import numpy as np
 
 from jaxrl import distributed
 from jaxrl.losses import ObjectiveConfig, mismatch_metrics, mismatch_metrics_by_rollout_prob, mismatch_metrics_by_turn
+from jaxrl.models import ModelConfig
+from jaxrl.models.hf import read_hf_config
 from jaxrl.models.scoring import LogprobScorer
 from jaxrl.models.sharding import batch_devices
 from jaxrl.rollout.base import LogprobKind
@@ -81,7 +83,11 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
     up to the float32 residual of decoding (jaxrl.rollout.sampler), and a single mini-batch
     means the update's first forward is that same policy. Anything that reads the
     learner-versus-engine ratio (a mismatch correction or rejection, the batch filter) needs the
-    recompute and keeps it.
+    recompute and keeps it. So do two runs whose recompute is also a check: an MoE model (the
+    learner's own routes against the engine's, ``routing/disagreement``: a near-tie in a router's
+    top-k flips an expert and the logprob with it, so the engine's are not the learner's up to a
+    residual) and conversations (the first model turn against the later ones, generated after
+    tool output was spliced in, ``mismatch_turn/*``).
     """
     objective, u = config.objective, config.update
     if u.recompute_old_logp == "always" or objective.bypass:
@@ -94,6 +100,9 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
                                            "from older weights)"),
         (config.rollout.partial_tokens > 0, f"rollout.partial_tokens={config.rollout.partial_tokens} (carried "
                                             "samples hold tokens of older weights)"),
+        (_has_experts(config.model), "the model has MoE layers (routing/disagreement compares the learner's "
+                                     "routes with the engine's)"),
+        (config.env is not None, "env: conversations (mismatch_turn/* compares the later turns with the first)"),
         (config.logging.dump_batch_every > 0, f"logging.dump_batch_every={config.logging.dump_batch_every} (the "
                                               "dumped batches hold the learner's recompute for the alignment checker)"),
     ) if failed]
@@ -105,6 +114,13 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
     if blockers:
         return objective, "update.recompute_old_logp=when_needed keeps the recompute: " + "; ".join(blockers)
     return fast, "update.recompute_old_logp=when_needed: old_logp is the embedded sampler's own (no recompute)"
+
+
+def _has_experts(policy) -> bool:
+    """Whether the policy (a ``PolicyConfig``) has MoE layers, read before the model is built."""
+    if not policy.hf_path:
+        return policy.architecture.num_experts > 0
+    return ModelConfig.from_hf(read_hf_config(policy.hf_path)).num_experts > 0
 
 
 def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, bypass: bool, replay: bool = False,
