@@ -28,20 +28,19 @@ from jaxrl.config import FieldError
 
 F32 = jnp.float32
 
-# rope_type -> the keys it reads (its required keys first); a key of another type is refused.
+# rope_type -> (the keys it needs, the keys it may have); a key only other types read is refused.
 ROPE_SCALING_KEYS = {
-    "linear": ("factor",),
-    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "truncate"),
-    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "linear": (("factor",), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+    "llama3": (("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"), ()),
 }
-REQUIRED_KEYS = {"linear": 1, "yarn": 2, "llama3": 4}  # how many of ROPE_SCALING_KEYS[type] must be given
 REFUSED_TYPES = {
     "dynamic": "its frequencies depend on the longest position of each call (transformers recomputes them per "
                "forward, SGLang fixes them at factor x max_position_embeddings), so the learner, a KV cache "
                "and the engine would not agree; use yarn",
     "longrope": "it is not implemented here",
-    "default": "plain RoPE is no rope_scaling at all (null)",
+    "default": "plain RoPE is rope_scaling: null",
 }
 REFUSED_KEYS = {  # transformers keys that SGLang (0.5.23) does not read: the engine would rotate otherwise
     "attention_factor": "SGLang ignores it (it reads attn_factor), so the engine's logprobs would differ from the "
@@ -84,8 +83,9 @@ class RopeScaling:
             why = f" ({self.rope_type} is refused: {REFUSED_TYPES[self.rope_type]})" if (
                 self.rope_type in REFUSED_TYPES) else ""
             bad("rope_type", f"one of {list(ROPE_SCALING_KEYS)}{why}")
-        keys = ROPE_SCALING_KEYS[self.rope_type]
-        for key in keys[:REQUIRED_KEYS[self.rope_type]]:
+        needed, optional = ROPE_SCALING_KEYS[self.rope_type]
+        keys = needed + optional
+        for key in needed:
             if getattr(self, key) is None:
                 bad(key, f"given for rope_type {self.rope_type}")
         for field in dataclasses.fields(self):
@@ -119,8 +119,9 @@ class RopeScaling:
         for key, reason in REFUSED_KEYS.items():
             if rope.get(key) is not None:
                 raise ValueError(f"config.json {where}.{key} is not supported: {reason}")
-        fields = {key: rope[key] for key in ROPE_SCALING_KEYS.get(rope_type, ()) if rope.get(key) is not None}
-        if "original_max_position_embeddings" in ROPE_SCALING_KEYS.get(rope_type, ()):
+        keys = sum(ROPE_SCALING_KEYS.get(rope_type, ()), ())
+        fields = {key: rope[key] for key in keys if rope.get(key) is not None}
+        if "original_max_position_embeddings" in keys:
             fields["original_max_position_embeddings"] = (original_max_position_embeddings
                                                           or fields.get("original_max_position_embeddings")
                                                           or max_position_embeddings)
@@ -130,9 +131,9 @@ class RopeScaling:
             raise ValueError(f"config.json {where}.{e.key}={e.value!r} must be {e.expected}") from None
 
     def to_hf(self) -> dict[str, Any]:
-        """The given keys, as transformers writes them in `rope_parameters` (and older readers in `rope_scaling`)."""
-        return {"rope_type": self.rope_type, **{key: getattr(self, key) for key in ROPE_SCALING_KEYS[self.rope_type]
-                                                if getattr(self, key) is not None}}
+        """The keys given, as transformers 5 writes them in `rope_parameters` (older ones: `rope_scaling`)."""
+        given = {key: getattr(self, key) for key in sum(ROPE_SCALING_KEYS[self.rope_type], ())}
+        return {"rope_type": self.rope_type, **{key: value for key, value in given.items() if value is not None}}
 
 
 def default_inverse_frequencies(dim: int, theta: float) -> jax.Array:
