@@ -68,7 +68,7 @@ def test_logits_past_the_window_equal_transformers(tmp_path, case):
     reference = random_model(hf_rope_config(rope, theta))
     reference.save_pretrained(tmp_path)
     model = load_hf_checkpoint(str(tmp_path))
-    assert model.config.rope_scaling == RopeScaling(**{k: v for k, v in rope.items()})
+    assert model.config.rope_scaling == RopeScaling(**rope)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, size=(2, LENGTH))
     mask = np.ones_like(ids)
