@@ -94,9 +94,10 @@ class ModelConfig:
     the full forward's token mixers split the sequence Ulysses style (docs/models.md#context-parallelism).
     `scan_layers` runs the full forward's blocks as one `lax.scan` (one compiled block body; needs
     every layer of one kind; docs/models.md#scanned-layers).
-    `rope_scaling` (None: plain RoPE) stretches the rotary past the pretrained window: yarn, linear or llama3
-    (`jaxrl.models.rope.RopeScaling`, docs/models.md#rope-scaling); a mapping of its keys is accepted.
     Like `dtype` and `remat` they are runtime choices, not HF fields.
+    `rope_scaling` (None: plain RoPE; HF's `rope_parameters`) stretches the rotary past the pretrained window:
+    yarn, linear or llama3 (`jaxrl.models.rope.RopeScaling`, docs/models.md#rope-scaling; a mapping of its keys
+    is accepted).
     """
 
     vocab_size: int
