@@ -8,9 +8,12 @@ other layer, linear attention on some layers) are a config change, not a new mod
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+
+from jaxrl.models.rope import RopeScaling
 
 # Attention kind of each layer (`ModelConfig.layer_types`) and remat policy of each block
 # (`ModelConfig.remat`, besides "none"); `jaxrl.models.decoder` maps each name to its module
@@ -92,6 +95,9 @@ class ModelConfig:
     `scan_layers` runs the full forward's blocks as one `lax.scan` (one compiled block body; needs
     every layer of one kind; docs/models.md#scanned-layers).
     Like `dtype` and `remat` they are runtime choices, not HF fields.
+    `rope_scaling` (None: plain RoPE; HF's `rope_parameters`) stretches the rotary past the pretrained window:
+    yarn, linear or llama3 (`jaxrl.models.rope.RopeScaling`, docs/models.md#rope-scaling; a mapping of its keys
+    is accepted).
     """
 
     vocab_size: int
@@ -105,6 +111,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    rope_scaling: RopeScaling | None = None
     layer_types: tuple[str, ...] = ()
     mlp_types: tuple[str, ...] = ()
     num_experts: int = 0
@@ -139,6 +146,8 @@ class ModelConfig:
         for key, default in (("layer_types", "full_attention"), ("mlp_types", "dense")):
             value = tuple(getattr(self, key)) or (default,) * self.num_layers
             object.__setattr__(self, key, value)
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         self._validate()
 
     def _validate(self) -> None:
@@ -251,10 +260,12 @@ class ModelConfig:
         for key in ("attention_bias", "use_sliding_window"):
             if hf.get(key):
                 raise ValueError(f"config.json sets {key}=True, which the Qwen3 decoder here does not implement")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"config.json rope type {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                             "only the default rotary embedding is implemented")
+        # transformers 5 writes rope_parameters; older checkpoints rope_scaling, which wins where both are set.
+        rope_key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        rope = hf.get(rope_key) or {}
+        max_position_embeddings = hf.get("max_position_embeddings", 32768)
+        rope_scaling = RopeScaling.from_hf(rope, rope_key, max_position_embeddings,
+                                           hf.get("original_max_position_embeddings"))
         rope_theta = rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
         num_layers = hf["num_hidden_layers"]
         num_heads = hf["num_attention_heads"]
@@ -265,7 +276,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rope_theta=float(rope_theta), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling,
         )
         if model_type in ("qwen3_moe", "qwen3_next"):
             sparse_step = hf.get("decoder_sparse_step", 1)
@@ -347,7 +358,8 @@ class ModelConfig:
             "head_dim": self.head_dim, "hidden_act": "silu",
             "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                **(self.rope_scaling.to_hf() if self.rope_scaling else {})},
             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": False,
             "use_sliding_window": False, "torch_dtype": self.param_dtype, "dtype": self.param_dtype,
         }

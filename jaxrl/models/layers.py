@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding, GQA attention, SwiGLU (the MoE layer: moe.py).
+"""Building blocks of the decoder: RMSNorm, GQA attention, SwiGLU (rotary embedding: rope.py; the MoE layer: moe.py).
 
 Every parameter is an `nnx.Param` carrying `logical_axes` metadata (names such as "embed",
 "heads", "expert"); `jaxrl.models.sharding.LOGICAL_AXIS_RULES` maps those names to mesh axes.
@@ -20,6 +20,7 @@ from flax import nnx
 from jaxrl.models import context_parallel
 from jaxrl.models.attention import attention
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.rope import rotary
 from jaxrl.models.sharding import constrain
 
 F32 = jnp.float32
@@ -86,23 +87,6 @@ class RMSNorm(nnx.Module):
         return (self.offset + self.weight[...].astype(F32)) * (x * jax.lax.rsqrt(variance + self.eps))
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None) -> jax.Array:
-    """Rotate-half RoPE as in transformers' Qwen3 (float32 tables, applied in float32), on the first
-    `rotary_dim` features (all by default; Qwen3-Next's partial rotary leaves the rest unchanged).
-
-    x: [B, T, H, Dh]; positions: [B, T] int. Returns float32 [B, T, H, Dh].
-    """
-    dim = x.shape[-1] if rotary_dim is None else rotary_dim
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.int32).astype(F32) / dim))
-    angles = positions.astype(F32)[..., None] * inv_freq  # [B, T, dim/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    x = x.astype(F32)
-    rot, rest = x[..., :dim], x[..., dim:]
-    half = dim // 2
-    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    return jnp.concatenate([rot * jnp.cos(angles) + rotated * jnp.sin(angles), rest], axis=-1)
-
-
 def write_rows(buffer: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
     """`buffer [B, S, ...]` with `new [B, T, ...]` written at rows `index .. index + T - 1` along
     axis 1: one row per batch row (`index [B]`) or the same row for all (`index []`, a single
@@ -162,8 +146,8 @@ class Attention(nnx.Module):
             q, gate = jnp.split(q, 2, axis=-1)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary(q, positions, c.rope_theta, self.rotary_dim).astype(dtype)
-        k = rotary(k, positions, c.rope_theta, self.rotary_dim).astype(dtype)
+        q = rotary(q, positions, c.rope_theta, self.rotary_dim, c.rope_scaling).astype(dtype)
+        k = rotary(k, positions, c.rope_theta, self.rotary_dim, c.rope_scaling).astype(dtype)
         q = constrain(q, ("batch", "length", "act_heads", None))
         batch, length = segment_ids.shape
         q_slot = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))

@@ -241,6 +241,18 @@ def test_float32_recompute_residual(model, sampler):
     assert overall["k3"] < 1e-11
 
 
+def test_yarn_recompute_residual_past_the_window(model):
+    """With YaRN (docs/models.md#rope-scaling) the sampler's prefill and decode steps rotate with the learner's
+    tables: its raw logprobs equal the learner's recompute at float32 rounding on tokens up to position 30,
+    past an 8-position window; the same weights with plain RoPE (`model`) score them otherwise."""
+    yarn = make_model(rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8})
+    batch = collect(JaxSampler(yarn, max_cache_len=64, max_batch=8), PROMPTS,
+                    SamplingParams(temperature=1.0, max_new_tokens=24, seed=1))
+    overall = build_report(score_with_learner(yarn, batch))["overall"]
+    assert overall["num_tokens"] == len(PROMPTS) * 24 and overall["abs_log_ratio_max"] < 5e-6
+    assert build_report(score_with_learner(model, batch))["overall"]["abs_log_ratio_max"] > 1e-2
+
+
 def test_bfloat16_k3_is_measured(model):
     bf16 = make_model(dtype="bfloat16")
     sampler = JaxSampler(bf16, max_cache_len=64, max_batch=8)
