@@ -5,6 +5,7 @@ responses that do not, strict and loose scoring, bad rows, the config, and the t
 import json
 import logging
 import re
+import time
 
 import numpy as np
 import pytest
@@ -131,6 +132,28 @@ def test_every_instruction_has_a_following_and_a_breaking_example():
     assert {instruction for instruction, _ in kinds} == set(INSTRUCTIONS)
     assert kinds == {(instruction, expected) for instruction in INSTRUCTIONS for expected in (True, False)}
     assert len(INSTRUCTIONS) >= 20
+
+
+@pytest.mark.parametrize("text", ["[a] [b [c]] [\nd] [e", "[[x]]] ]", "<<a>> <<b>>", "<<<>>", "a>> <<b", "<<x>>>\n<<",
+                                  "<< >> <<y>>", "<<><>>", "<<\n>>"])
+def test_placeholders_and_titles_are_what_ifevals_regexes_find(text):
+    # IFEval's definitions are these regexes; the checkers find the same without their quadratic time.
+    placeholders = len(re.findall(r"\[.*?\]", text))
+    titled = any(t.lstrip("<").rstrip(">").strip() for t in re.findall(r"<<[^\n]+>>", text))
+    for n in (placeholders, placeholders + 1):
+        assert _strict(text, _row(("detectable_content:number_placeholders", {"num_placeholders": n}))) == [
+            placeholders >= n]
+    assert _strict(text, _row(("detectable_format:title", {}))) == [titled]
+
+
+def test_adversarial_responses_take_linear_time():
+    every = _row(*{instruction: arguments for instruction, arguments, _, _ in CASES}.items())
+    for text in ("[" * 200_000, "<<" * 100_000, "\n" * 200_000 + "- x", " \n" * 100_000 + "* x", "*" * 200_000):
+        start = time.perf_counter()
+        results = _strict(text, every)
+        assert time.perf_counter() - start < 5.0, text[:4]  # IFEval's regexes take minutes on these
+        assert len(results) == len(INSTRUCTIONS)
+    assert _strict("[" * 200_000, _row(("detectable_format:json_format", {}))) == [False]  # too deep: not JSON
 
 
 @pytest.mark.parametrize("text, sentences", [

@@ -117,8 +117,16 @@ def length_nth_paragraph_first_word(response: str, *, num_paragraphs: int, nth_p
 # --- detectable content ----------------------------------------------------------------------
 
 def content_number_placeholders(response: str, *, num_placeholders: int) -> bool:
-    """At least ``num_placeholders`` placeholders in square brackets, such as ``[address]``, each on one line."""
-    return len(re.findall(r"\[.*?\]", response)) >= num_placeholders
+    r"""At least ``num_placeholders`` placeholders in square brackets, such as ``[address]``, each on one line:
+    what IFEval's ``re.findall(r"\[.*?\]")`` counts, found in one pass (that regex takes quadratic time
+    on a line of unclosed brackets)."""
+    found = 0
+    for line in response.split("\n"):
+        start = line.find("[")
+        while start != -1 and (end := line.find("]", start + 1)) != -1:
+            found += 1
+            start = line.find("[", end + 1)
+    return found >= num_placeholders
 
 
 def content_postscript(response: str, *, postscript_marker: str) -> bool:
@@ -136,8 +144,9 @@ def content_postscript(response: str, *, postscript_marker: str) -> bool:
 
 def format_number_bullet_lists(response: str, *, num_bullets: int) -> bool:
     """Exactly ``num_bullets`` markdown bullet lines: lines starting with ``* `` (not ``**``) or ``-``."""
-    stars = re.findall(r"^\s*\*[^*].*$", response, re.MULTILINE)
-    dashes = re.findall(r"^\s*-.*$", response, re.MULTILINE)
+    # [ \t]* where IFEval has \s*: the same lines, without rescanning a run of blank lines from each of them.
+    stars = re.findall(r"^[ \t]*\*[^*].*$", response, re.MULTILINE)
+    dashes = re.findall(r"^[ \t]*-.*$", response, re.MULTILINE)
     return len(stars) + len(dashes) == num_bullets
 
 
@@ -160,21 +169,30 @@ def format_multiple_sections(response: str, *, section_spliter: str, num_section
 
 
 def format_json_format(response: str) -> bool:
-    """The whole response is JSON, optionally in a markdown code fence (```json ... ```)."""
+    """The whole response is JSON, optionally in a markdown code fence (```json ... ```). JSON nested
+    deeper than Python's parser can follow (thousands of ``[``) counts as not JSON."""
     text = response.strip()
     for fence in ("```json", "```Json", "```JSON", "```"):
         text = text.removeprefix(fence)
     text = text.removesuffix("```").strip()
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 
 
 def format_title(response: str) -> bool:
-    """A non-blank title in double angular brackets on one line, such as ``<<poem of joy>>``."""
-    return any(title.strip("<>").strip() for title in re.findall(r"<<[^\n]+>>", response))
+    r"""A non-blank title in double angular brackets on one line, such as ``<<poem of joy>>``.
+
+    IFEval's ``<<[^\n]+>>`` matches at most once per line, greedily from the line's first ``<<`` to its
+    last ``>>``; this finds that span with ``find``/``rfind`` (the regex is quadratic on a line of ``<<``).
+    """
+    for line in response.split("\n"):
+        start, end = line.find("<<"), line.rfind(">>")
+        if start != -1 and end > start and line[start:end + 2].lstrip("<").rstrip(">").strip():
+            return True
+    return False
 
 
 # --- combination -----------------------------------------------------------------------------
