@@ -148,12 +148,13 @@ def test_placeholders_and_titles_are_what_ifevals_regexes_find(text):
 
 def test_adversarial_responses_take_linear_time():
     every = _row(*{instruction: arguments for instruction, arguments, _, _ in CASES}.items())
-    for text in ("[" * 200_000, "<<" * 100_000, "\n" * 200_000 + "- x", " \n" * 100_000 + "* x", "*" * 200_000):
+    for text in ("[" * 100_000, "<<" * 50_000, "\n" * 100_000 + "- x", " \n" * 50_000 + "* x", "*" * 100_000,
+                 "." * 100_000 + "x", "Dr. " * 25_000):
         start = time.perf_counter()
         results = _strict(text, every)
-        assert time.perf_counter() - start < 5.0, text[:4]  # IFEval's regexes take minutes on these
+        assert time.perf_counter() - start < 5.0, text[:4]  # quadratic scans take minutes on these
         assert len(results) == len(INSTRUCTIONS)
-    assert _strict("[" * 200_000, _row(("detectable_format:json_format", {}))) == [False]  # too deep: not JSON
+    assert _strict("[" * 100_000, _row(("detectable_format:json_format", {}))) == [False]  # too deep: not JSON
 
 
 @pytest.mark.parametrize("text, sentences", [

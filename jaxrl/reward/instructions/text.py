@@ -22,14 +22,16 @@ _WORD = re.compile(r"\w+")
 # hyphens or apostrophes ("WELL-KNOWN" is one word).
 _CASED_WORD = re.compile(r"[^\W_]+(?:[-'’][^\W_]+)*")
 # A sentence ends at a run of ., ! or ? (with the closing quotes or brackets after it) that is
-# followed by white space or the end of the text.
-_SENTENCE_END = re.compile(r"[.!?]+[\"'”’)\]]*(?=\s|\Z)")
+# followed by white space or the end of the text. Tried only where a run starts, and possessive
+# (++, *+), so that a long run followed by a letter costs one pass, not one per character in it.
+_SENTENCE_END = re.compile(r"(?<![.!?])[.!?]++[\"'”’)\]]*+(?=\s|\Z)")
 # Words whose dot ends an abbreviation, not a sentence (lower case, without their last dot).
 _ABBREVIATIONS = frozenset({
     "mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "e.g", "i.e", "cf", "al", "fig", "no",
     "inc", "ltd", "co", "corp", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov",
     "dec", "u.s", "u.k", "a.m", "p.m",
 })
+_LOOK_BACK = 12
 _BLANK_LINE = re.compile(r"\n\s*\n")
 
 
@@ -45,7 +47,10 @@ def cased_words(text: str) -> list[str]:
 
 def _ends_abbreviation(text: str, dot: int) -> bool:
     """True when the "." at ``dot`` closes an abbreviation ("Dr.", "e.g.") or an initial ("J.")."""
-    word = text[:dot].rsplit(None, 1)[-1] if text[:dot].strip() else ""
+    # The word before the dot, read from a few characters back: every abbreviation is shorter, and
+    # reading back to the text's start at every dot would be quadratic.
+    before = text[max(0, dot - _LOOK_BACK):dot]
+    word = before.rsplit(None, 1)[-1] if before.strip() else ""
     word = word.lstrip("\"'“‘([").lower()
     return word in _ABBREVIATIONS or (len(word) == 1 and word.isalpha())
 
