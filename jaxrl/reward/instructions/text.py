@@ -102,9 +102,12 @@ def _detectors() -> DetectorFactory:
     return factory
 
 
+# A response's language is asked by up to three instructions, each over the same loose variants.
+@functools.lru_cache(maxsize=32)
 def detect_language(text: str) -> str | None:
     """The language code langdetect finds most likely for ``text`` ("en", "de", "zh-cn"...), the
-    same for the same text on every call; None when the text has nothing to detect from (no letters)."""
+    same for the same text on every call; None when the text has nothing to detect from (no letters).
+    About 16 ms for 5,000 characters (langdetect reads at most 10,000)."""
     detector = _detectors().create()
     detector.append(text)
     try:
