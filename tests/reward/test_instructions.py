@@ -211,8 +211,9 @@ def test_ifeval_rows_with_null_arguments_and_parquet_floats():
     # parquet reads a nullable integer column back as floats.
     nulls = {"num_words": None, "relation": None, "keywords": None, "language": None}
     row = _row(("punctuation:no_comma", dict(nulls)),
-               ("length_constraints:number_words", {**nulls, "num_words": 2.0, "relation": AT_LEAST}))
-    assert _strict("two words", row) == [True, True]
+               ("length_constraints:number_words", {**nulls, "num_words": 2.0, "relation": AT_LEAST}),
+               ("length_constraints:number_words", {**nulls, "num_words": np.int64(3), "relation": LESS_THAN}))
+    assert _strict("two words", row) == [True, True, True]
     assert _strict("one", {"instruction_id_list": ["punctuation:no_comma"]}) == [True]  # no kwargs field: none
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, Callable, Mapping
 
 from jaxrl.errors import InputError
@@ -24,12 +25,13 @@ Validator = Callable[[Any], Any]
 
 
 def _whole_number(value: Any, least: int) -> int:
-    # Parquet holds a nullable integer column as floats: 3.0 is 3.
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    # Parquet holds a nullable integer column as floats (3.0 is 3); numpy's integers are integers;
+    # a bool is an int to Python but never a count in a data file.
+    whole = (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+             or isinstance(value, float) and value.is_integer())
+    if not whole or value < least:
         raise ValueError(f"accepted: a whole number >= {least}")
-    return value
+    return int(value)
 
 
 def count(value: Any) -> int:
