@@ -23,7 +23,7 @@ from collections.abc import Iterator
 _EXTRA_OF = {
     **dict.fromkeys(("flax", "optax", "orbax", "tensorstore", "grain", "transformers", "safetensors", "tokenizers",
                      "math_verify", "tensorboardX", "matplotlib", "pyarrow", "tqdm", "yaml", "requests", "sympy",
-                     "mpmath"), "train"),
+                     "mpmath", "langdetect"), "train"),
     "sglang": "sglang", "libtpu": "tpu",
 }
 

@@ -1,4 +1,5 @@
-"""Reward functions: the interface, the math final-answer checker, format checks, judges, per-task routing.
+"""Reward functions: the interface, the math final-answer checker, format checks, verifiable instruction
+checks (IFEval's), judges, per-task routing.
 
 ``build_router(RewardConfig)`` turns the config's task table into a ``SandboxedRewardRouter``:
 every reward call runs in a worker process under ``reward.timeout_s`` (``jaxrl.reward.sandbox``).
@@ -18,6 +19,7 @@ from jaxrl.errors import needs_extra
 with needs_extra("jaxrl.reward"):
     from jaxrl.reward.base import RewardFn, RewardResult, RewardRouter, ScoredBatch
     from jaxrl.reward.format import FormatReward
+    from jaxrl.reward.instructions import InstructionsConfig, InstructionsReward
     from jaxrl.reward.judge import JUDGE_KINDS, JUDGE_TEMPLATES, JudgeConfig, parse_judge_score
     from jaxrl.reward.judge_batch import JudgeCache, JudgeModel, JudgeReply, JudgeScorer, JudgeUnavailableError
     from jaxrl.reward.math import MathAnswerReward, answers_match, extract_answer, extract_boxed
@@ -67,8 +69,9 @@ def build_router(config: RewardConfig, judges: Mapping[str, JudgeModel] | None =
 
 
 __all__ = [
-    "FormatReward", "JUDGE_KINDS", "JUDGE_TEMPLATES", "JudgeCache", "JudgeConfig", "JudgeModel", "JudgeReply",
-    "JudgeScorer", "JudgeUnavailableError", "MathAnswerReward", "RewardConfig", "RewardFn", "RewardResult",
-    "RewardRouter", "SandboxedRewardRouter", "ScoredBatch", "TaskRewardConfig", "WorkerStartError", "answers_match",
-    "build_reward", "build_router", "extract_answer", "extract_boxed", "parse_judge_score",
+    "FormatReward", "InstructionsConfig", "InstructionsReward", "JUDGE_KINDS", "JUDGE_TEMPLATES", "JudgeCache",
+    "JudgeConfig", "JudgeModel", "JudgeReply", "JudgeScorer", "JudgeUnavailableError", "MathAnswerReward",
+    "RewardConfig", "RewardFn", "RewardResult", "RewardRouter", "SandboxedRewardRouter", "ScoredBatch",
+    "TaskRewardConfig", "WorkerStartError", "answers_match", "build_reward", "build_router", "extract_answer",
+    "extract_boxed", "parse_judge_score",
 ]

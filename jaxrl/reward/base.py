@@ -222,8 +222,9 @@ class RewardRouter:
         reason "unknown_task": no task field and no default task, or a task without a
         reward function; "missing_answer": the task's reward needs ``answer_fields[task]``
         (the math reference answer) and the row lacks it, or it is null or blank; for a judge
-        task, the judge's own reasons (``JudgeScorer.row_problem``). Meant for the data loader,
-        to skip such rows with their file and line before training.
+        task, the judge's own reasons (``JudgeScorer.row_problem``); for a reward function with a
+        ``row_problem(row)`` method of its own (``kind: instructions``), what that returns. Meant for
+        the data loader, to skip such rows with their file and line before training.
         """
         problem = self._task_problem(row)
         if problem is not None:
@@ -240,7 +241,8 @@ class RewardRouter:
                     f"row of task {task!r} has {state} {field!r} field (the reference answer its reward "
                     f"compares against); fields: {sorted(map(str, row))}"
                 )
-        return None
+        own_check = getattr(self.functions[task], "row_problem", None)
+        return own_check(row) if own_check is not None else None
 
     def score(
         self,

@@ -1,7 +1,7 @@
 """Reward functions in a worker process, each call under a wall-clock limit (``reward.timeout_s``).
 
-``jaxrl.reward.build_router`` returns a ``SandboxedRewardRouter``: every reward call
-(the built-in math and format rewards and ``kind: python`` user functions) runs in one
+``jaxrl.reward.build_router`` returns a ``SandboxedRewardRouter``: every reward call (the
+built-in math, format and instructions rewards and ``kind: python`` user functions) runs in one
 worker process. A call that runs past ``timeout_s`` is killed with its worker, reported
 with the sample (``on_error``, the log) and counted (``ScoredBatch.timed_out``, unparsable,
 score 0); a call that raises is reported as in-process (type and message); a call that

@@ -1,4 +1,5 @@
-"""One task's reward, from its config: the math checker, a format check, a user's callable, or a judge.
+"""One task's reward, from its config: the math checker, a format check, instruction checks, a user's
+callable, or a judge.
 
 Built in the reward worker process (``jaxrl.reward.sandbox``) as well as in the trainer, so
 this module imports only the reward functions themselves. The judge kinds (``JUDGE_KINDS``) are
@@ -15,11 +16,12 @@ from typing import Literal
 from jaxrl.errors import InputError
 from jaxrl.reward.base import RewardFn, RewardResult
 from jaxrl.reward.format import FormatReward
+from jaxrl.reward.instructions import InstructionsConfig, InstructionsReward
 from jaxrl.reward.judge import JUDGE_KINDS, JudgeConfig
 from jaxrl.reward.math import MathAnswerReward
 
 # Every kind a task may have: the per-sample functions, then the judge kinds of jaxrl.reward.judge.
-RewardKind = Literal[("math", "format", "python", *JUDGE_KINDS)]
+RewardKind = Literal[("math", "format", "instructions", "python", *JUDGE_KINDS)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,9 +29,11 @@ class TaskRewardConfig:
     """One task's reward.
 
     kind: "math" (final answer vs ``answer_field``), "format" (``pattern`` and
-    ``required_phrases``), or "python" (``function`` = "module:callable", called with
-    the reward-function signature). For "math", a ``pattern``/``required_phrases``
-    gate multiplies the score (a correct answer in the wrong format scores 0). checker (math):
+    ``required_phrases``), "instructions" (the row's verifiable instructions, IFEval's format;
+    options in ``instructions``, IFEval's defaults without it: docs/training.md#kind-instructions),
+    or "python" (``function`` = "module:callable", called with the reward-function signature).
+    For "math", a ``pattern``/``required_phrases`` gate multiplies the score (a correct answer in
+    the wrong format scores 0). checker (math):
     "normalizer" (the default: the never-evaluating normaliser alone) or "math_verify" (HF
     math-verify first, the normaliser where it cannot read an answer; it reaches Python's
     ``eval`` on answer text: docs/evaluation.md#math-answer-checking).
@@ -43,6 +47,7 @@ class TaskRewardConfig:
     rel_tol: float = 1e-6
     checker: Literal["math_verify", "normalizer"] = "normalizer"
     judge: JudgeConfig | None = None
+    instructions: InstructionsConfig | None = None
 
     def __post_init__(self):
         if self.kind == "python" and not self.function:
@@ -55,6 +60,11 @@ class TaskRewardConfig:
             raise ValueError(f"judge is set but kind={self.kind!r} asks no judge; judge kinds: {list(JUDGE_KINDS)}")
         if self.judge is not None:
             self.judge.check_templates(self.kind)
+        if self.instructions is not None and self.kind != "instructions":
+            raise ValueError(f"instructions is set but kind={self.kind!r}; it configures kind='instructions' only")
+        if self.kind == "instructions" and (self.pattern is not None or self.required_phrases):
+            raise ValueError("kind='instructions' takes no pattern or required_phrases: name a format "
+                             "instruction in the rows (detectable_format:*, startend:*) or use kind='format'")
 
 
 class _Gated:
@@ -97,6 +107,8 @@ def build_reward(task: TaskRewardConfig, key: str = "reward function") -> Reward
         return load_callable(task.function, key)
     if task.kind == "format":
         return FormatReward(task.pattern, task.required_phrases)
+    if task.kind == "instructions":
+        return InstructionsReward(task.instructions or InstructionsConfig())
     math = MathAnswerReward(task.answer_field, task.rel_tol, task.checker)
     if task.pattern is not None or task.required_phrases:
         return _Gated(math, FormatReward(task.pattern, task.required_phrases))
