@@ -13,7 +13,8 @@ One ``CodeScorer.score``: each sample's code (``jaxrl.reward.code.extract_code``
 unparsable, score 0, counted ``no_code``), its row's tests and their executions
 (``plan_runs``), all executions of the batch through one pool, then each sample's score from
 its tests' verdicts: the fraction passed, or 1/0 (``scoring: all``; a sample's remaining cases
-are not started after its first failure).
+are not started after its first failure). Samples with the same code, tests and config (a
+group's identical responses) share one set of executions; their verdicts count once per sample.
 
 Metrics (``take_metrics``, summed over the ``score`` calls since the last take; the trainer logs
 them as ``reward/code/...``): one count per verdict (``passed``, ``wrong_answer``, ``timeout``,
@@ -76,26 +77,29 @@ class CodeScorer:
         """One Outcome per sample: the score of its tests' verdicts, or unparsable without code.
         A row whose tests cannot be read raises ValueError naming the field (``row_problem`` first)."""
         start = time.perf_counter()
-        samples = [self._plan(task, response, row) for task, response, row in zip(tasks, responses, rows, strict=True)]
+        planned: dict = {}
+        samples = [self._plan(task, response, row, planned)
+                   for task, response, row in zip(tasks, responses, rows, strict=True)]
         with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="code-reward") as pool:
-            futures = [[pool.submit(self._execute, sample, run) for run in sample.runs] if sample else None
-                       for sample in samples]
+            futures = {id(sample): [pool.submit(self._execute, sample, run) for run in sample.runs]
+                       for sample in planned.values()}
         outcomes = []
         with self._lock:
             self._counts["samples"] += len(samples)
-            for sample, runs in zip(samples, futures, strict=True):
+            for sample in samples:
                 if sample is None:
                     self._counts["no_code"] += 1
                     outcomes.append(Outcome("ok", 0.0, unparsable=True))
                     continue
-                found = [verdict for run in runs for verdict in run.result()]
+                found = [verdict for run in futures[id(sample)] for verdict in run.result()]
                 self._counts.update(found)
                 passed = found.count("passed") / len(found)
                 outcomes.append(Outcome("ok", float(passed == 1.0) if sample.stop_at_failure else passed))
             self._seconds += time.perf_counter() - start
         return outcomes
 
-    def _plan(self, task: str, response: str, row: Mapping) -> _Sample | None:
+    def _plan(self, task: str, response: str, row: Mapping, planned: dict) -> _Sample | None:
+        """The sample's executions (None without code); the one already in ``planned`` for the same code and tests."""
         config = self.tasks[task].code
         try:
             tests = row_tests(row, config)
@@ -104,7 +108,10 @@ class CodeScorer:
         code = extract_code(response, config.block)
         if code is None:
             return None
-        return _Sample(plan_runs(code, tests, config.sandbox), stop_at_failure=config.scoring == "all")
+        key = (config, code, tests)
+        if key not in planned:
+            planned[key] = _Sample(plan_runs(code, tests, config.sandbox), stop_at_failure=config.scoring == "all")
+        return planned[key]
 
     def _execute(self, sample: _Sample, run: Run) -> list[str]:
         """The verdicts of one execution (``not_run`` after an earlier failure of the sample under ``all``)."""

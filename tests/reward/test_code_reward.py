@@ -165,6 +165,16 @@ def test_assertion_lists_count_each_assert_and_early_exits_pass_nothing():
     assert metrics["code/runtime_error"] == 3 * 4
 
 
+def test_identical_responses_to_one_row_run_once_and_count_per_sample():
+    right = _fenced("def similar_elements(a, b):\n    return tuple(sorted(set(a) & set(b)))\n")
+    other_row = {**MBPP_ROW, "test_list": MBPP_ROW["test_list"][:1]}
+    with _router() as router:
+        scored = _score(router, [right] * 4 + [right], [MBPP_ROW] * 4 + [other_row])
+        metrics = router.take_metrics()
+    assert scored.scores.tolist() == [1.0] * 5
+    assert metrics["code/executions"] == 2 and metrics["code/passed"] == 4 * 3 + 1
+
+
 def test_a_response_without_code_is_unparsable_and_a_bad_row_is_named():
     router = _router()
     try:
