@@ -75,7 +75,8 @@ class CodeScorer:
     def score(self, tasks: Sequence[str], prompts: Sequence[str], responses: Sequence[str], rows: Sequence[Mapping],
               on_error: Callable[[str], None] | None = None) -> list[Outcome]:
         """One Outcome per sample: the score of its tests' verdicts, or unparsable without code.
-        A row whose tests cannot be read raises ValueError naming the field (``row_problem`` first)."""
+        A row whose tests cannot be read raises ValueError naming the field (``row_problem`` first).
+        ``on_error`` goes unused: a failed test is a verdict, counted, not an error of the reward."""
         start = time.perf_counter()
         planned: dict = {}
         samples = [self._plan(task, response, row, planned)
