@@ -9,6 +9,7 @@ reach its port); each scores 0, its verdict is counted, and the host is checked 
 """
 
 import json
+import logging
 import os
 import pathlib
 import socket
@@ -233,16 +234,32 @@ def test_config_errors_name_the_key():
     assert TaskRewardConfig(kind="code").code == CodeConfig()
 
 
-def test_required_isolation_refuses_to_build_without_the_jail(monkeypatch):
+@pytest.fixture
+def no_bubblewrap(monkeypatch):
+    """This machine as one without bubblewrap, for the probe and its warning."""
     monkeypatch.setattr(jail, "find_bwrap", lambda: None)
     monkeypatch.setattr("jaxrl.sandbox.execution._warned", set())
     probe.cache_clear()
-    try:
-        task = TaskRewardConfig(kind="code", code=CodeConfig(sandbox=SandboxConfig(isolation="required")))
-        with pytest.raises(SandboxUnavailableError, match="reward.tasks.c.code.sandbox has isolation: required"):
-            CodeScorer({"c": task})
-    finally:
-        probe.cache_clear()
+    yield
+    probe.cache_clear()
+
+
+def test_required_isolation_refuses_to_build_without_the_jail(no_bubblewrap):
+    task = TaskRewardConfig(kind="code", code=CodeConfig(sandbox=SandboxConfig(isolation="required")))
+    with pytest.raises(SandboxUnavailableError, match="reward.tasks.c.code.sandbox has isolation: required"):
+        CodeScorer({"c": task})
+
+
+def test_auto_isolation_without_the_jail_warns_at_build_and_counts_plain_executions(no_bubblewrap, caplog):
+    task = TaskRewardConfig(kind="code", code=CodeConfig(sandbox=FAST))
+    with caplog.at_level(logging.WARNING, logger="jaxrl.sandbox"):
+        scorer = CodeScorer({"c": task})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("reward.tasks.c.code.sandbox runs model code in a plain "
+                                                         "process") and "bubblewrap" in warnings[0]
+    right = _fenced("def similar_elements(a, b):\n    return tuple(sorted(set(a) & set(b)))\n")
+    assert scorer.score(["c"], ["q"], [right], [MBPP_ROW])[0].score == 1.0
+    assert scorer.take_metrics()["code/unjailed"] == 1
 
 
 SECRET = "jaxrl-code-reward-secret-5c1e"
