@@ -232,6 +232,7 @@ class Run:
     token: str | None = None
 
     def verdicts(self, run: Execution) -> list[str]:
+        """One verdict per test of this execution (``VERDICTS``)."""
         if self.expected is not None:
             if not run.timed_out and run.exit_code == 0:
                 return ["passed" if same_output(run.stdout, self.expected) else "wrong_answer"]
