@@ -1,11 +1,12 @@
 """Reward functions: the interface, the math final-answer checker, format checks, verifiable instruction
-checks (IFEval's), judges, per-task routing.
+checks (IFEval's), code tests, judges, per-task routing.
 
 ``build_router(RewardConfig)`` turns the config's task table into a ``SandboxedRewardRouter``:
 every reward call runs in a worker process under ``reward.timeout_s`` (``jaxrl.reward.sandbox``).
 A ``RewardRouter`` built from plain callables scores in-process. Tasks of a judge kind
 (``jaxrl.reward.judge``) are scored as a batch by their judge models, which the caller serves and
-hands in (``judges``).
+hands in (``judges``); tasks of ``kind: code`` as a batch of sandboxed executions run side by side
+(``jaxrl.reward.code_batch``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from jaxrl.errors import needs_extra
 # Without the [train] extra (sympy) an import below names that extra instead of a bare missing module.
 with needs_extra("jaxrl.reward"):
     from jaxrl.reward.base import RewardFn, RewardResult, RewardRouter, ScoredBatch
+    from jaxrl.reward.code import CodeConfig, extract_code
+    from jaxrl.reward.code_batch import CodeScorer
     from jaxrl.reward.format import FormatReward
     from jaxrl.reward.instructions import InstructionsConfig, InstructionsReward
     from jaxrl.reward.judge import JUDGE_KINDS, JUDGE_TEMPLATES, JudgeConfig, parse_judge_score
@@ -34,7 +37,8 @@ class RewardConfig:
 
     timeout_s: the wall-clock limit of one reward-function call, in seconds. Calls run in a
     worker process; one that runs longer is killed, reported with its sample and counted
-    (``reward/timed_out``) as unparsable with score 0.
+    (``reward/timed_out``) as unparsable with score 0. It also bounds each execution of a
+    ``kind: code`` task: its ``code.sandbox.timeout_s`` may not exceed it.
     """
 
     task_field: str = "task"
@@ -49,6 +53,11 @@ class RewardConfig:
             raise ValueError("reward.tasks is empty; give at least one task, e.g. {math: {kind: math}}")
         if self.default_task is not None and self.default_task not in self.tasks:
             raise ValueError(f"reward.default_task={self.default_task!r} is not in reward.tasks {sorted(self.tasks)}")
+        for name, task in self.tasks.items():
+            if task.code is not None and task.code.sandbox.timeout_s > self.timeout_s:
+                raise ValueError(f"reward.tasks.{name}.code.sandbox.timeout_s={task.code.sandbox.timeout_s:g} exceeds "
+                                 f"reward.timeout_s={self.timeout_s:g}, the wall-clock limit of one reward call; "
+                                 f"lower the first or raise the second")
 
 
 def build_router(config: RewardConfig, judges: Mapping[str, JudgeModel] | None = None,
@@ -58,20 +67,24 @@ def build_router(config: RewardConfig, judges: Mapping[str, JudgeModel] | None =
     with their scores cached in memory and, given ``judge_cache`` (a JSONL path), on disk.
 
     The functions are built here too, so a ``kind: python`` spec that cannot be imported
-    raises ValueError naming it now. The router owns the judges. Call ``close()`` on it when done.
+    raises ValueError naming it now, and a ``kind: code`` task with ``isolation: required`` on a
+    machine without the jail raises ``SandboxUnavailableError``. The router owns the judges. Call
+    ``close()`` on it when done.
     """
     judged = {name: task for name, task in config.tasks.items() if task.kind in JUDGE_KINDS}
-    judge = JudgeScorer(judged, judges or {}, JudgeCache(judge_cache)) if judged else None
+    coded = {name: task for name, task in config.tasks.items() if task.kind == "code"}
+    scorers = ([JudgeScorer(judged, judges or {}, JudgeCache(judge_cache))] if judged else []) + (
+        [CodeScorer(coded)] if coded else [])
     return SandboxedRewardRouter(
-        {name: task for name, task in config.tasks.items() if name not in judged}, task_field=config.task_field,
-        default_task=config.default_task, timeout_s=config.timeout_s, judge=judge,
+        {name: task for name, task in config.tasks.items() if name not in judged and name not in coded},
+        task_field=config.task_field, default_task=config.default_task, timeout_s=config.timeout_s, scorers=scorers,
     )
 
 
 __all__ = [
-    "FormatReward", "InstructionsConfig", "InstructionsReward", "JUDGE_KINDS", "JUDGE_TEMPLATES", "JudgeCache",
-    "JudgeConfig", "JudgeModel", "JudgeReply", "JudgeScorer", "JudgeUnavailableError", "MathAnswerReward",
-    "RewardConfig", "RewardFn", "RewardResult", "RewardRouter", "SandboxedRewardRouter", "ScoredBatch",
-    "TaskRewardConfig", "WorkerStartError", "answers_match", "build_reward", "build_router", "extract_answer",
-    "extract_boxed", "parse_judge_score",
+    "CodeConfig", "CodeScorer", "FormatReward", "InstructionsConfig", "InstructionsReward", "JUDGE_KINDS",
+    "JUDGE_TEMPLATES", "JudgeCache", "JudgeConfig", "JudgeModel", "JudgeReply", "JudgeScorer", "JudgeUnavailableError",
+    "MathAnswerReward", "RewardConfig", "RewardFn", "RewardResult", "RewardRouter", "SandboxedRewardRouter",
+    "ScoredBatch", "TaskRewardConfig", "WorkerStartError", "answers_match", "build_reward", "build_router",
+    "extract_answer", "extract_boxed", "extract_code", "parse_judge_score",
 ]

@@ -22,8 +22,9 @@ and the sample, like an exception.
 callables). ``jaxrl.reward.build_router`` returns its subclass
 ``jaxrl.reward.sandbox.SandboxedRewardRouter``, which calls them in a worker process under
 ``reward.timeout_s`` so that a hanging or crashing reward cannot stop the run either.
-Tasks of a judge kind are not functions: a router's ``judge``
-(``jaxrl.reward.judge_batch.JudgeScorer``) scores their samples as one batch, here.
+Tasks of a judge kind and of ``kind: code`` are not functions: a router's ``scorers``
+(``jaxrl.reward.judge_batch.JudgeScorer``, ``jaxrl.reward.code_batch.CodeScorer``) score
+their samples as one batch, here.
 """
 
 from __future__ import annotations
@@ -161,9 +162,11 @@ class RewardRouter:
     holding the task; rows without it use ``default_task``. ``answer_fields``: task ->
     the row field its reward needs (the math reference answer); ``row_problem`` flags
     rows without it. Functions run in this process, without a time limit: use
-    ``jaxrl.reward.build_router`` (a ``SandboxedRewardRouter``) for that. ``judge``: a
-    ``jaxrl.reward.judge_batch.JudgeScorer`` for the tasks of a judge kind (its ``tasks``), which
-    the router owns (``close``); ``take_metrics`` returns its ``judge/*`` metrics.
+    ``jaxrl.reward.build_router`` (a ``SandboxedRewardRouter``) for that. ``scorers``: batch
+    scorers (``jaxrl.reward.judge_batch.JudgeScorer`` for the judge kinds,
+    ``jaxrl.reward.code_batch.CodeScorer`` for ``kind: code``), each scoring its ``tasks`` with
+    ``score``, ``row_problem``, ``take_metrics`` and ``close``; the router owns them (``close``) and
+    ``take_metrics`` returns their ``judge/*`` and ``code/*`` metrics.
     """
 
     timeout_s: float | None = None
@@ -174,12 +177,12 @@ class RewardRouter:
         task_field: str = "task",
         default_task: str | None = None,
         answer_fields: Mapping[str, str] | None = None,
-        judge=None,
+        scorers: Sequence = (),
     ):
-        self.judged = dict(judge.tasks) if judge is not None else {}
-        known = sorted({*functions, *self.judged})
+        self.batched = {task: scorer for scorer in scorers for task in scorer.tasks}
+        known = sorted({*functions, *self.batched})
         if not known:
-            raise ValueError("RewardRouter needs at least one reward function or judge task (none given)")
+            raise ValueError("RewardRouter needs at least one reward function or batch-scored task (none given)")
         if default_task is not None and default_task not in known:
             raise ValueError(f"RewardRouter default_task={default_task!r} has no reward function; known tasks: {known}")
         unknown = sorted(set(answer_fields or {}) - set(functions))
@@ -190,7 +193,7 @@ class RewardRouter:
         self.task_field = task_field
         self.default_task = default_task
         self.answer_fields = dict(answer_fields or {})
-        self.judge = judge
+        self.scorers = tuple(scorers)
 
     def task_of(self, row: Mapping) -> str:
         problem = self._task_problem(row)
@@ -206,7 +209,7 @@ class RewardRouter:
                 f"add the field or set reward.default_task to one of {self.known}"
             )
         try:
-            known = task in self.functions or task in self.judged
+            known = task in self.functions or task in self.batched
         except TypeError:  # an unhashable value (a list, a dict) in the task field
             known = False
         if not known:
@@ -221,8 +224,8 @@ class RewardRouter:
 
         reason "unknown_task": no task field and no default task, or a task without a
         reward function; "missing_answer": the task's reward needs ``answer_fields[task]``
-        (the math reference answer) and the row lacks it, or it is null or blank; for a judge
-        task, the judge's own reasons (``JudgeScorer.row_problem``); for a reward function with a
+        (the math reference answer) and the row lacks it, or it is null or blank; for a judge or
+        code task, its scorer's own reasons (``row_problem``); for a reward function with a
         ``row_problem(row)`` method of its own (``kind: instructions``), what that returns. Meant for
         the data loader, to skip such rows with their file and line before training.
         """
@@ -230,8 +233,8 @@ class RewardRouter:
         if problem is not None:
             return "unknown_task", problem
         task = row.get(self.task_field, self.default_task)
-        if task in self.judged:
-            return self.judge.row_problem(task, row)
+        if task in self.batched:
+            return self.batched[task].row_problem(task, row)
         field = self.answer_fields.get(task)
         if field is not None:
             value = row.get(field)
@@ -300,27 +303,31 @@ class RewardRouter:
                            timed_out=timed_out, token_rewards=tuple(token_rewards))
 
     def _outcomes(self, tasks, prompts, responses, response_ids, rows, on_error) -> list[Outcome]:
-        """One Outcome per sample: the judge tasks' from the judge, as one batch; the others' from
+        """One Outcome per sample: each batch scorer's tasks' from it, as one batch; the others' from
         their functions (``_call_all``)."""
-        judged = [i for i, task in enumerate(tasks) if task in self.judged]
-        if not judged:
+        if not any(task in self.batched for task in tasks):
             return self._call_all(tasks, prompts, responses, response_ids, rows)
-        plain = sorted(set(range(len(tasks))) - set(judged))
         outcomes: list[Outcome | None] = [None] * len(tasks)
 
         def pick(items, indices):
             return [items[i] for i in indices]
 
-        found = self.judge.score(*(pick(x, judged) for x in (tasks, prompts, responses, rows)), on_error=on_error)
+        for scorer in self.scorers:
+            mine = [i for i, task in enumerate(tasks) if self.batched.get(task) is scorer]
+            if mine:
+                found = scorer.score(*(pick(x, mine) for x in (tasks, prompts, responses, rows)), on_error=on_error)
+                for i, outcome in zip(mine, found, strict=True):
+                    outcomes[i] = outcome
+        plain = [i for i, task in enumerate(tasks) if task not in self.batched]
         if plain:
-            found += self._call_all(*(pick(x, plain) for x in (tasks, prompts, responses, response_ids, rows)))
-        for i, outcome in zip(judged + plain, found, strict=True):
-            outcomes[i] = outcome
+            found = self._call_all(*(pick(x, plain) for x in (tasks, prompts, responses, response_ids, rows)))
+            for i, outcome in zip(plain, found, strict=True):
+                outcomes[i] = outcome
         return outcomes
 
     def take_metrics(self) -> dict[str, float]:
-        """The judge's ``judge/*`` metrics since the last call (``JudgeScorer.take_metrics``); {} without one."""
-        return self.judge.take_metrics() if self.judge is not None else {}
+        """The batch scorers' metrics (``judge/*``, ``code/*``) since the last call; {} without any."""
+        return {name: value for scorer in self.scorers for name, value in scorer.take_metrics().items()}
 
     def _call_all(self, tasks, prompts, responses, response_ids, rows) -> list[Outcome]:
         """One Outcome per sample; here, in this process."""
@@ -330,9 +337,10 @@ class RewardRouter:
         ]
 
     def close(self) -> None:
-        """Releases worker processes (none in-process) and the judge's models; safe to call more than once."""
-        if self.judge is not None:
-            self.judge.close()
+        """Releases worker processes (none in-process) and the scorers' (the judges' models); safe to call more
+        than once."""
+        for scorer in self.scorers:
+            scorer.close()
 
     def __enter__(self):
         return self

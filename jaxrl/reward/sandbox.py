@@ -248,8 +248,8 @@ class SandboxedRewardRouter(RewardRouter):
     The functions are also built here at construction, so a bad ``kind: python`` spec
     or regex fails now, naming it. ``answer_fields`` (for ``row_problem``) are the math
     tasks' ``answer_field``. ``start_timeout_s``: how long a worker may take to start.
-    ``close()`` (or ``with``) stops the worker; a later ``score`` starts a new one. ``judge``: the
-    judge tasks' scorer (``RewardRouter``); their samples never reach the worker.
+    ``close()`` (or ``with``) stops the worker; a later ``score`` starts a new one. ``scorers``: the
+    batch scorers of the judge and code tasks (``RewardRouter``); their samples never reach the worker.
     """
 
     def __init__(
@@ -259,7 +259,7 @@ class SandboxedRewardRouter(RewardRouter):
         default_task: str | None = None,
         timeout_s: float = 10.0,
         start_timeout_s: float = 120.0,
-        judge=None,
+        scorers=(),
     ):
         check_seconds("SandboxedRewardRouter timeout_s", timeout_s)
         check_seconds("SandboxedRewardRouter start_timeout_s", start_timeout_s)
@@ -277,7 +277,8 @@ class SandboxedRewardRouter(RewardRouter):
             {name: build_reward(task, f"reward.tasks.{name}.function") for name, task in tasks.items()},
             task_field=task_field,
             default_task=default_task,
-            answer_fields={name: task.answer_field for name, task in tasks.items() if task.kind == "math"}, judge=judge,
+            answer_fields={name: task.answer_field for name, task in tasks.items() if task.kind == "math"},
+            scorers=scorers,
         )
         self.tasks = dict(tasks)
         self.timeout_s = float(timeout_s)

@@ -1,10 +1,10 @@
 """One task's reward, from its config: the math checker, a format check, instruction checks, a user's
-callable, or a judge.
+callable, a judge, or code tests.
 
 Built in the reward worker process (``jaxrl.reward.sandbox``) as well as in the trainer, so
-this module imports only the reward functions themselves. The judge kinds (``JUDGE_KINDS``) are
-not functions: the router scores them as a batch in the trainer's process
-(``jaxrl.reward.judge_batch``).
+this module imports only the reward functions themselves. The judge kinds (``JUDGE_KINDS``) and
+``code`` are not functions (``BATCH_KINDS``): the router scores them as a batch in the trainer's
+process (``jaxrl.reward.judge_batch``, ``jaxrl.reward.code_batch``).
 """
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ from typing import Literal
 
 from jaxrl.errors import InputError
 from jaxrl.reward.base import RewardFn, RewardResult
+from jaxrl.reward.code import CodeConfig
 from jaxrl.reward.format import FormatReward
 from jaxrl.reward.instructions import InstructionsConfig, InstructionsReward
 from jaxrl.reward.judge import JUDGE_KINDS, JudgeConfig
 from jaxrl.reward.math import MathAnswerReward
 
-# Every kind a task may have: the per-sample functions, then the judge kinds of jaxrl.reward.judge.
-RewardKind = Literal[("math", "format", "instructions", "python", *JUDGE_KINDS)]
+# Every kind a task may have: the per-sample functions, then those scored as a batch (the judge
+# kinds of jaxrl.reward.judge, and code).
+BATCH_KINDS = (*JUDGE_KINDS, "code")
+RewardKind = Literal[("math", "format", "instructions", "python", *BATCH_KINDS)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,13 +33,15 @@ class TaskRewardConfig:
 
     kind: "math" (final answer vs ``answer_field``), "format" (``pattern`` and
     ``required_phrases``), "instructions" (the row's verifiable instructions, IFEval's format;
-    options in ``instructions``, IFEval's defaults without it: docs/training.md#kind-instructions),
+    options in ``instructions``, IFEval's defaults without it: docs/rewards.md#kind-instructions),
     or "python" (``function`` = "module:callable", called with the reward-function signature).
     For "math", a ``pattern``/``required_phrases`` gate multiplies the score (a correct answer in
     the wrong format scores 0). checker (math):
     "normalizer" (the default: the never-evaluating normaliser alone) or "math_verify" (HF
     math-verify first, the normaliser where it cannot read an answer; it reaches Python's
-    ``eval`` on answer text: docs/evaluation.md#math-answer-checking).
+    ``eval`` on answer text: docs/evaluation.md#math-answer-checking). "code": the response's
+    program against the row's tests in the sandbox, scored by ``code`` (``CodeConfig``; its
+    defaults when not given: docs/rewards.md#kind-code).
     """
 
     kind: RewardKind = "math"
@@ -48,8 +53,13 @@ class TaskRewardConfig:
     checker: Literal["math_verify", "normalizer"] = "normalizer"
     judge: JudgeConfig | None = None
     instructions: InstructionsConfig | None = None
+    code: CodeConfig | None = None
 
     def __post_init__(self):
+        if self.kind == "code" and self.code is None:
+            object.__setattr__(self, "code", CodeConfig())
+        if self.kind != "code" and self.code is not None:
+            raise ValueError(f"code is set but kind={self.kind!r}; the code section belongs to kind='code'")
         if self.kind == "python" and not self.function:
             raise ValueError("kind='python' needs function='module:callable'")
         if self.kind == "format" and self.pattern is None and not self.required_phrases:
@@ -98,11 +108,14 @@ def load_callable(spec: str, what: str = "reward function"):
 
 
 def build_reward(task: TaskRewardConfig, key: str = "reward function") -> RewardFn:
-    """The per-sample reward function of ``task``; ValueError for a judge kind (no such function).
+    """The per-sample reward function of ``task``; ValueError for a kind of ``BATCH_KINDS`` (no such function).
     ``key``: how a ``kind: python`` function that cannot be imported is named in the error."""
     if task.kind in JUDGE_KINDS:
         raise ValueError(f"kind={task.kind!r} is scored by a judge over the whole batch, not by a per-sample "
                          f"function: build the router with jaxrl.reward.build_router(config, judges=...)")
+    if task.kind == "code":
+        raise ValueError("kind='code' runs the batch's programs side by side, not by a per-sample function: build "
+                         "the router with jaxrl.reward.build_router(config)")
     if task.kind == "python":
         return load_callable(task.function, key)
     if task.kind == "format":

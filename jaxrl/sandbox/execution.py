@@ -15,8 +15,9 @@ call to the next:
   the kernel, every process of the execution. After a normal exit the same happens, so a
   background or ``setsid`` child never outlives the call; ``execute`` returns only once the
   namespace is empty;
-- with stdout and stderr written to memory files (a flood cannot fill the trainer's memory),
-  each read back cut to ``max_output_chars`` with a visible marker.
+- with ``stdin`` (text, empty by default) read from a memory file, and stdout and stderr written
+  to memory files (a flood cannot fill the trainer's memory), each read back cut to
+  ``max_output_chars`` with a visible marker.
 
 ``isolation``: "auto" runs in the jail when it starts here and otherwise in a plain process
 (limits, its own session and a temporary working directory, as jaxrl did before the jail),
@@ -192,30 +193,32 @@ def _environment(home: str) -> dict[str, str]:
 
 
 def execute(argv: list[str], config: SandboxConfig = SandboxConfig(), files: Mapping[str, str] = {},
-            what: str = "the sandbox") -> Execution:
-    """Runs ``argv`` (its working directory holds ``files``: name -> text) under ``config``
-    (module docstring); ``what`` names the caller in the isolation warning or error."""
+            what: str = "the sandbox", stdin: str = "") -> Execution:
+    """Runs ``argv`` (its working directory holds ``files``: name -> text; ``stdin`` its input)
+    under ``config`` (module docstring); ``what`` names the caller in the isolation warning or error."""
     jail = jail_for(config.isolation, what)
     limits = Limits(cpu_s=config.cpu_s, memory_bytes=config.memory_mb << 20, file_bytes=config.file_size_mb << 20,
                     processes=config.processes if jail is not None else Limits.processes)
     start = time.perf_counter()
     stdout, stderr = _memory_file("stdout"), _memory_file("stderr")
+    streams = (_memory_file("stdin", stdin.encode()) if stdin else subprocess.DEVNULL, stdout, stderr)
     try:
         if jail is None:
-            status, timed_out, pid = _run_plain(argv, config, limits, files, stdout, stderr)
+            status, timed_out, pid = _run_plain(argv, config, limits, files, streams)
         else:
-            status, timed_out, pid = _run_jailed(jail, argv, config, limits, files, stdout, stderr)
+            status, timed_out, pid = _run_jailed(jail, argv, config, limits, files, streams)
         return Execution(
             stdout=_read_cut(stdout, config.max_output_chars), stderr=_read_cut(stderr, config.max_output_chars),
             exit_code=status, timed_out=timed_out,
             cpu_limit=status in (-signal.SIGXCPU, -signal.SIGKILL) and not timed_out,
             jailed=jail is not None, pid=pid, seconds=time.perf_counter() - start)
     finally:
-        os.close(stdout)
-        os.close(stderr)
+        for fd in streams:
+            if fd != subprocess.DEVNULL:
+                os.close(fd)
 
 
-def _run_jailed(jail: Jail, argv, config, limits, files, stdout, stderr) -> tuple[int, bool, int]:
+def _run_jailed(jail: Jail, argv, config, limits, files, streams) -> tuple[int, bool, int]:
     file_fds = {name: _memory_file(name, text.encode()) for name, text in files.items()}
     seccomp_fd = seccomp.filter_fd(jail.seccomp) if jail.seccomp else None
     info_read, info_write = os.pipe()
@@ -224,8 +227,8 @@ def _run_jailed(jail: Jail, argv, config, limits, files, stdout, stderr) -> tupl
                            info_write, seccomp_fd, file_fds)
     pidfd = None
     try:
-        proc = subprocess.Popen(command, env=_environment("/tmp"), stdin=subprocess.DEVNULL, stdout=stdout,
-                                stderr=stderr, pass_fds=passed, start_new_session=True)
+        proc = subprocess.Popen(command, env=_environment("/tmp"), stdin=streams[0], stdout=streams[1],
+                                stderr=streams[2], pass_fds=passed, start_new_session=True)
         os.close(info_write)
         passed.remove(info_write)
         deadline = time.monotonic() + config.timeout_s
@@ -247,13 +250,13 @@ def _run_jailed(jail: Jail, argv, config, limits, files, stdout, stderr) -> tupl
     return status, timed_out, proc.pid
 
 
-def _run_plain(argv, config, limits, files, stdout, stderr) -> tuple[int, bool, int]:
+def _run_plain(argv, config, limits, files, streams) -> tuple[int, bool, int]:
     with tempfile.TemporaryDirectory(prefix="jaxrl-sandbox-") as work:
         for name, text in files.items():
             with open(os.path.join(work, name), "w", encoding="utf-8") as f:
                 f.write(text)
-        proc = subprocess.Popen(boot_argv(argv, limits), cwd=work, env=_environment(work), stdin=subprocess.DEVNULL,
-                                stdout=stdout, stderr=stderr, start_new_session=True)
+        proc = subprocess.Popen(boot_argv(argv, limits), cwd=work, env=_environment(work), stdin=streams[0],
+                                stdout=streams[1], stderr=streams[2], start_new_session=True)
         timed_out = False
         try:
             proc.wait(timeout=config.timeout_s)

@@ -110,7 +110,7 @@ def test_config_errors_name_the_key(tmp_path):
 
 
 def test_rows_a_verifier_cannot_grade_are_named():
-    router = RewardRouter({}, default_task="v", judge=JudgeScorer({"v": _task("verifier")}, {"grader": None}))
+    router = RewardRouter({}, default_task="v", scorers=[JudgeScorer({"v": _task("verifier")}, {"grader": None})])
     assert router.row_problem({"proof": "p", "score": 0.5}) is None
     assert router.row_problem({"score": 1})[0] == "missing_field"
     assert router.row_problem({"proof": "p", "score": 2})[:2] == (

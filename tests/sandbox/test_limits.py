@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 
@@ -18,7 +19,7 @@ import pytest
 
 from jaxrl.env import PythonToolConfig, execute_python
 from jaxrl.env.python_tool import describe_execution
-from jaxrl.sandbox import SandboxUnavailableError, jail, probe
+from jaxrl.sandbox import SandboxConfig, SandboxUnavailableError, execute, jail, probe
 from jaxrl.sandbox import seccomp
 
 LIMITS = PythonToolConfig(timeout_s=3.0, cpu_s=1, memory_mb=256)
@@ -59,6 +60,15 @@ def test_code_runs_and_its_output_is_captured(isolation, tmp_path, monkeypatch):
     else:
         assert workdir.startswith(str(tmp_path))
     assert os.listdir(tmp_path) == []  # nothing left on the host either way
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_stdin_reaches_the_code_and_nothing_else(isolation):
+    code = "import sys\nprint(sys.stdin.read()[::-1])"
+    fed = execute([sys.executable, "-I", "main.py"], SandboxConfig(isolation=isolation), {"main.py": code},
+                  stdin="abc\n")
+    empty = execute([sys.executable, "-I", "main.py"], SandboxConfig(isolation=isolation), {"main.py": code})
+    assert (fed.stdout, empty.stdout) == ("\ncba\n", "\n")
 
 
 @pytest.mark.parametrize("isolation", MODES)

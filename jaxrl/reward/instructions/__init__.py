@@ -2,7 +2,7 @@
 
 ``registry`` names the instruction ids and their arguments and reads a row's instructions,
 ``checkers`` holds one checker per id, ``text`` what they measure (words, sentences, language),
-``reward`` scores a response strictly or loosely. docs/training.md#kind-instructions.
+``reward`` scores a response strictly or loosely. docs/rewards.md#kind-instructions.
 """
 
 from jaxrl.reward.instructions.registry import INSTRUCTIONS, read_instructions

@@ -6,7 +6,7 @@ names; ``jaxrl.reward.instructions.registry`` maps the ids to them and validates
 before a checker sees them, so a checker may trust its arguments' types and ranges.
 Deliberate differences from IFEval's code, each because a reward is trained against (a policy
 finds what a checker lets through), are stated where they occur and in
-docs/training.md#kind-instructions: keywords and section markers are literal text, never regular
+docs/rewards.md#kind-instructions: keywords and section markers are literal text, never regular
 expressions; a response without detectable language fails the language and case checks. Where
 IFEval's regexes take quadratic time on some text, the same matches are found in one pass.
 """

@@ -1,6 +1,6 @@
 """The ``kind: instructions`` reward: how many of a row's verifiable instructions a response follows.
 
-Score (docs/training.md#kind-instructions): each instruction the row names
+Score (docs/rewards.md#kind-instructions): each instruction the row names
 (``jaxrl.reward.instructions.registry``) is followed or not, in IFEval's strict or loose sense
 (``mode``); ``aggregate: fraction`` scores the fraction followed (IFEval's instruction-level
 accuracy), ``aggregate: all`` scores 1 when every one is followed, else 0 (its prompt-level

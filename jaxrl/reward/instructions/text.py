@@ -1,7 +1,7 @@
 """What the instruction checkers measure in a response: words, sentences, paragraphs, its language.
 
 Each function is pure and offline. Two of them stand in for tools IFEval uses and say where they
-differ (docs/training.md#kind-instructions):
+differ (docs/rewards.md#kind-instructions):
 
 - :func:`split_sentences` replaces nltk's punkt model, which a machine without network access to
   nltk's download server cannot fetch;

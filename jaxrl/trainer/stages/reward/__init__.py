@@ -13,7 +13,8 @@ the rewards, so it lives where they are made. Its metrics keep the ``rollout/dyn
 names, and ``time/dynamic_sampling`` times it.
 
 Metrics: ``reward/{mean,std,accuracy,unparsable_fraction,raised,timed_out}`` of the batch the
-step trains on, per task ``reward/<task>/{mean,std,share}``, and the judges' ``reward/judge/*``.
+step trains on, per task ``reward/<task>/{mean,std,share}``, the judges' ``reward/judge/*`` and the
+code tests' ``reward/code/*`` (``jaxrl.reward.code_batch``).
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ def with_environment_rewards(scored: ScoredBatch, samples: Sequence[Sample]) -> 
     return dataclasses.replace(scored, scores=(np.asarray(scored.scores, np.float32) + rewards))
 
 
-def reward_metrics(scored: ScoredBatch, judge: dict[str, float] | None = None) -> dict[str, float]:
-    """The batch's reward statistics, with the router's ``judge/*`` metrics (``RewardRouter.take_metrics``)
-    as ``reward/judge/*``."""
+def reward_metrics(scored: ScoredBatch, scorers: dict[str, float] | None = None) -> dict[str, float]:
+    """The batch's reward statistics, with the router's ``judge/*`` and ``code/*`` metrics
+    (``RewardRouter.take_metrics``) as ``reward/judge/*`` and ``reward/code/*``."""
     metrics = {
         "reward/mean": float(scored.scores.mean()),
         "reward/std": float(scored.scores.std()),
@@ -95,5 +96,5 @@ def reward_metrics(scored: ScoredBatch, judge: dict[str, float] | None = None) -
         metrics[f"reward/{task}/mean"] = float(values.mean())
         metrics[f"reward/{task}/std"] = float(values.std())
         metrics[f"reward/{task}/share"] = float(len(values) / len(tasks))  # of the batch (data.mixture)
-    metrics.update({f"reward/{name}": value for name, value in (judge or {}).items()})
+    metrics.update({f"reward/{name}": value for name, value in (scorers or {}).items()})
     return metrics
