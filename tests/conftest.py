@@ -207,6 +207,18 @@ def sglang_moe(_sglang_fleets):
     return _sglang_fleets["sglang_moe"]
 
 
+@pytest.fixture
+def no_bubblewrap(monkeypatch):
+    """This machine as one without bubblewrap (the sandbox's jail), for the probe and its warning."""
+    from jaxrl.sandbox import jail, probe
+
+    monkeypatch.setattr(jail, "find_bwrap", lambda: None)
+    monkeypatch.setattr("jaxrl.sandbox.execution._warned", set())
+    probe.cache_clear()
+    yield
+    probe.cache_clear()
+
+
 @pytest.fixture(autouse=True)
 def _grouped_as_marked(request):
     """Under ``--dist loadgroup`` xdist marks each grouped test's id with its group (``...::test@sglang``)

@@ -11,7 +11,7 @@ import logging
 import pytest
 import yaml
 
-from jaxrl.sandbox import jail, probe
+from jaxrl.sandbox import probe
 from jaxrl.trainer.cli import train_main
 
 
@@ -23,15 +23,6 @@ def _tools_run(run_config, tmp_path, isolation: str) -> str:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
-
-
-@pytest.fixture
-def no_bubblewrap(monkeypatch):
-    monkeypatch.setattr(jail, "find_bwrap", lambda: None)
-    monkeypatch.setattr("jaxrl.sandbox.execution._warned", set())
-    probe.cache_clear()
-    yield
-    probe.cache_clear()
 
 
 def test_required_refuses_to_start_without_the_jail(run_config, tmp_path, no_bubblewrap, capsys):

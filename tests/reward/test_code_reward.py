@@ -21,7 +21,7 @@ import pytest
 from jaxrl.config import ConfigError, from_dict, load_config
 from jaxrl.reward import CodeConfig, RewardConfig, TaskRewardConfig, build_router, extract_code
 from jaxrl.reward.code_batch import CodeScorer
-from jaxrl.sandbox import SandboxConfig, SandboxUnavailableError, jail, probe
+from jaxrl.sandbox import SandboxConfig, SandboxUnavailableError, probe
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.stages.reward import reward_metrics
 
@@ -232,16 +232,6 @@ def test_config_errors_name_the_key():
         from_dict(RewardConfig, {**base, "tasks": {"c": {"kind": "code", "code": {"scoring": "most"}}}},
                   prefix="reward")
     assert TaskRewardConfig(kind="code").code == CodeConfig()
-
-
-@pytest.fixture
-def no_bubblewrap(monkeypatch):
-    """This machine as one without bubblewrap, for the probe and its warning."""
-    monkeypatch.setattr(jail, "find_bwrap", lambda: None)
-    monkeypatch.setattr("jaxrl.sandbox.execution._warned", set())
-    probe.cache_clear()
-    yield
-    probe.cache_clear()
 
 
 def test_required_isolation_refuses_to_build_without_the_jail(no_bubblewrap):
