@@ -185,7 +185,7 @@ def rl_step_programs(config: TrainConfig, model_config: ModelConfig, devices: li
     shapes = step_shapes(config, mesh)
     length, c = shapes["length"], model_config
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(c, rngs=nnx.Rngs(0))))
-    objective, _ = objective_for_run(config, builds_engine=True)
+    objective, _ = objective_for_run(config, builds_engine=True, has_experts=model_config.num_experts > 0)
     frozen = frozen_policy_steps(config)
     optimizer, _ = build_optimizer(config.optimizer, max(config.steps - frozen, 0) * config.update.mini_batches)
     loss_fn = rl_loss_fn(objective, seed=config.seed, micro_batches=config.update.micro_batches,

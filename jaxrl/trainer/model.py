@@ -11,7 +11,8 @@ from flax import nnx
 
 from jaxrl.distributed.placement import learner_devices
 from jaxrl.errors import InputError
-from jaxrl.models import Decoder, create_sharded_model, load_hf_checkpoint, make_mesh
+from jaxrl.models import Decoder, ModelConfig, create_sharded_model, load_hf_checkpoint, make_mesh
+from jaxrl.models.hf import read_hf_config
 from jaxrl.models.attention import packed_rows_impl
 from jaxrl.models.packing import shared_prefix_blocker
 
@@ -40,6 +41,13 @@ def build_model(policy, mesh: jax.sharding.Mesh, packed_rows: bool = False) -> D
     config = policy.architecture.replace(**policy.overrides())
     model, _ = create_sharded_model(lambda: Decoder(config, rngs=nnx.Rngs(policy.init_seed)), mesh)
     return model
+
+
+def has_experts(policy) -> bool:
+    """Whether ``policy`` (a ``PolicyConfig``) builds a model with MoE layers, read before it is built."""
+    if not policy.hf_path:
+        return policy.architecture.num_experts > 0
+    return ModelConfig.from_hf(read_hf_config(policy.hf_path), **policy.overrides()).num_experts > 0
 
 
 def check_vocabulary(policy, tokenizer, tokenizer_path: str) -> None:

@@ -27,7 +27,7 @@ from jaxrl.trainer.learner import Learner
 from jaxrl.trainer.learning_watch import LearningWatch
 from jaxrl.trainer.lifecycle import COMPLETIONS, check_fresh_start, open_run, run_loop
 from jaxrl.trainer.metrics import StageClock
-from jaxrl.trainer.model import check_vocabulary, learner_mesh
+from jaxrl.trainer.model import check_vocabulary, has_experts, learner_mesh
 from jaxrl.trainer.stages import (Stage, StepContext, StepRecord, build_stages, frozen_policy_steps,
                                   objective_for_run, sampler_batch)
 from jaxrl.trainer.stages.rollout import sampling_params, sampling_seed
@@ -68,7 +68,8 @@ class RLTrainer:
         self.envs = EnvRouter(config.env, self.tokenizer) if config.env is not None else None
         self.mesh = learner_mesh(config)
         distributed.host_memory.keep_freed_memory(self.mesh)
-        self.objective, why = objective_for_run(config, builds_engine=engine is None)
+        self.objective, why = objective_for_run(config, builds_engine=engine is None,
+                                                has_experts=has_experts(config.model))
         log.info("old_logp: %s", why)
         self.learner = Learner(config, self.mesh, self.objective, frozen_policy_steps(config))
         self.context = StepContext(config, self.objective, self.learner, self.mesh, self.tokenizer,

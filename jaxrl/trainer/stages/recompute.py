@@ -27,8 +27,6 @@ import numpy as np
 
 from jaxrl import distributed
 from jaxrl.losses import ObjectiveConfig, mismatch_metrics, mismatch_metrics_by_rollout_prob, mismatch_metrics_by_turn
-from jaxrl.models import ModelConfig
-from jaxrl.models.hf import read_hf_config
 from jaxrl.models.scoring import LogprobScorer
 from jaxrl.models.sharding import batch_devices
 from jaxrl.rollout.base import LogprobKind
@@ -73,8 +71,10 @@ class RecomputeStage(Stage):
             batch.token_aligned(meta).save(path)
 
 
-def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[ObjectiveConfig, str]:
-    """The objective the run trains with, and why (a line for the log).
+def objective_for_run(config: TrainConfig, builds_engine: bool,
+                      has_experts: bool) -> tuple[ObjectiveConfig, str]:
+    """The objective the run trains with, and why (a line for the log). ``has_experts``: the model
+    has MoE layers (``jaxrl.trainer.model.has_experts``).
 
     With ``update.recompute_old_logp: when_needed`` the learner's recompute of ``old_logp`` is
     skipped, through the bypass path (the engine's logprobs as ``old_logp``, the mismatch
@@ -100,7 +100,7 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
                                            "from older weights)"),
         (config.rollout.partial_tokens > 0, f"rollout.partial_tokens={config.rollout.partial_tokens} (carried "
                                             "samples hold tokens of older weights)"),
-        (_has_experts(config.model), "the model has MoE layers (routing/disagreement compares the learner's "
+        (has_experts, "the model has MoE layers (routing/disagreement compares the learner's "
                                      "routes with the engine's)"),
         (config.env is not None, "env: conversations (mismatch_turn/* compares the later turns with the first)"),
         (config.logging.dump_batch_every > 0, f"logging.dump_batch_every={config.logging.dump_batch_every} (the "
@@ -114,13 +114,6 @@ def objective_for_run(config: TrainConfig, builds_engine: bool) -> tuple[Objecti
     if blockers:
         return objective, "update.recompute_old_logp=when_needed keeps the recompute: " + "; ".join(blockers)
     return fast, "update.recompute_old_logp=when_needed: old_logp is the embedded sampler's own (no recompute)"
-
-
-def _has_experts(policy) -> bool:
-    """Whether the policy (a ``PolicyConfig``) has MoE layers, read before the model is built."""
-    if not policy.hf_path:
-        return policy.architecture.num_experts > 0
-    return ModelConfig.from_hf(read_hf_config(policy.hf_path)).num_experts > 0
 
 
 def recompute(batch: StepBatch, scorer: LogprobScorer, params, reference, *, bypass: bool, replay: bool = False,
