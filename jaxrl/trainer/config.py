@@ -338,6 +338,10 @@ class TrainConfig:
             if task.judge is not None and task.judge.server not in self.judges:
                 raise ValueError(f"reward.tasks.{name}.judge.server={task.judge.server!r} is not a key of judges "
                                  f"{sorted(self.judges)}; declare the judge's fleet there")
+            if task.judge is not None and task.judge.samples > 1 and self.judges[task.judge.server].temperature == 0:
+                raise ValueError(f"reward.tasks.{name}.judge.samples={task.judge.samples} draws the same judgement "
+                                 f"from a greedy judge (judges.{task.judge.server}.temperature=0): set that "
+                                 f"temperature above 0, or judge.samples to 1")
         if self.critic is not None and not self.advantage.needs_critic:
             raise ValueError(
                 f"critic.* is set but advantage.estimator={self.advantage.estimator!r} uses no critic; the critic "
