@@ -8,7 +8,9 @@ same router as training). Per task and over all prompts:
 - ``pass@k`` for each configured ``k <= n``: the unbiased estimator of Chen et al. 2021,
   ``1 - C(n-c, k) / C(n, k)`` per prompt with ``c`` of its ``n`` samples correct
   (reward > ``CORRECT_ABOVE``), averaged over prompts;
-- ``unparsable``: the fraction of samples the reward could not grade.
+- ``unparsable``: the fraction of samples the reward could not grade;
+- with a ``SelfVerifier`` (``eval.self_verify``), ``best@n``, ``verifier_accuracy`` and
+  ``self_verified``: the model's verification of its own samples (``jaxrl.evaluation.self_verify``).
 
 The trainer's periodic held-out evaluation and ``jaxrl eval`` both call :func:`evaluate`;
 ``jaxrl filter`` calls :func:`sample_and_score`.
@@ -24,6 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxrl.data.pipeline import Example
+from jaxrl.evaluation.self_verify import SelfVerifier, best_at_n, verifier_accuracy
 from jaxrl.reward.base import RewardRouter, ScoredBatch
 from jaxrl.rollout.base import RolloutEngine, Sample, SamplingParams
 
@@ -42,22 +45,37 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class TaskScores:
-    """One task's (or all prompts') figures: ``prompts`` prompts, ``n`` samples each."""
+    """One task's (or all prompts') figures: ``prompts`` prompts, ``n`` samples each; the
+    self-verification ones (``best_at_n``, ``verifier_accuracy``, ``self_verified``) None without it."""
 
     prompts: int
     n: int
     avg_at_n: float
     pass_at_k: dict[int, float]
     unparsable: float
+    best_at_n: float | None = None
+    verifier_accuracy: float | None = None
+    self_verified: float | None = None
 
     @classmethod
-    def of(cls, scores: np.ndarray, unparsable: np.ndarray, ks: Sequence[int]) -> "TaskScores":
-        """From ``[prompts, n]`` arrays of rewards and unparsable flags."""
+    def of(cls, scores: np.ndarray, unparsable: np.ndarray, ks: Sequence[int],
+           self_scores: np.ndarray | None = None) -> "TaskScores":
+        """From ``[prompts, n]`` arrays of rewards and unparsable flags, and of self-scores (NaN: none)."""
         prompts, n = scores.shape
-        correct = (scores > CORRECT_ABOVE).sum(axis=1)
+        correct = scores > CORRECT_ABOVE
+        verified = {} if self_scores is None else {
+            "best_at_n": best_at_n(self_scores, correct), "verifier_accuracy": verifier_accuracy(self_scores, correct),
+            "self_verified": float(np.mean(~np.isnan(self_scores)))}
         return cls(prompts=prompts, n=n, avg_at_n=float(scores.mean(dtype=np.float64)),
-                   pass_at_k={k: float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks},
-                   unparsable=float(unparsable.mean()))
+                   pass_at_k={k: float(np.mean([pass_at_k(n, int(c), k) for c in correct.sum(axis=1)])) for k in ks},
+                   unparsable=float(unparsable.mean()), **verified)
+
+    def verification(self) -> dict[str, float | None]:
+        """The self-verification figures by their reported names; {} without them."""
+        if self.self_verified is None:
+            return {}
+        return {f"best@{self.n}": self.best_at_n, "verifier_accuracy": self.verifier_accuracy,
+                "self_verified": self.self_verified}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +99,13 @@ class EvalResult:
             out[f"{prefix}/{name}reward"] = s.avg_at_n
             out[f"{prefix}/{name}unparsable"] = s.unparsable
             out.update({f"{prefix}/{name}pass@{k}": v for k, v in s.pass_at_k.items()})
+            out.update({f"{prefix}/{name}{k}": v for k, v in s.verification().items() if v is not None})
         return out
 
     def to_json(self) -> dict:
         def plain(s: TaskScores) -> dict:
             return {"prompts": s.prompts, "n": s.n, f"avg@{s.n}": s.avg_at_n, "unparsable": s.unparsable,
-                    **{f"pass@{k}": v for k, v in s.pass_at_k.items()}}
+                    **{f"pass@{k}": v for k, v in s.pass_at_k.items()}, **s.verification()}
 
         return {"sampling": self.sampling, "overall": plain(self.overall),
                 "tasks": {t: plain(s) for t, s in self.tasks.items()},
@@ -95,10 +114,11 @@ class EvalResult:
 
     def table(self) -> str:
         """A plain-text table: one row per task and one for all prompts."""
-        ks = sorted(self.overall.pass_at_k)
-        header = ["task", "prompts", f"avg@{self.overall.n}", *(f"pass@{k}" for k in ks), "unparsable"]
+        ks, verified = sorted(self.overall.pass_at_k), list(self.overall.verification())
+        header = ["task", "prompts", f"avg@{self.overall.n}", *(f"pass@{k}" for k in ks), "unparsable", *verified]
         rows = [[t, str(s.prompts), f"{s.avg_at_n:.4f}", *(f"{s.pass_at_k[k]:.4f}" for k in ks),
-                 f"{s.unparsable:.4f}"] for t, s in [*sorted(self.tasks.items()), ("all", self.overall)]]
+                 f"{s.unparsable:.4f}", *("-" if v is None else f"{v:.4f}" for v in s.verification().values())]
+                for t, s in [*sorted(self.tasks.items()), ("all", self.overall)]]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                  for r in [header, *rows]]
@@ -142,17 +162,20 @@ def sample_and_score(engine: RolloutEngine, router: RewardRouter, tokenizer, exa
 
 def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: Sequence[Example],
              params: SamplingParams, n: int, ks: Sequence[int] = (), *, chunk_prompts: int | None = None,
-             on_error: Callable[[str], None] | None = None, generate: Generate | None = None) -> EvalResult:
+             on_error: Callable[[str], None] | None = None, generate: Generate | None = None,
+             self_verifier: SelfVerifier | None = None) -> EvalResult:
     """Samples ``n`` completions per prompt (with ``generate``, as :func:`sample_and_score`), scores
-    them, and returns the per-task and overall avg@n and pass@k (``ks``, each at most ``n``).
-    ``chunk_prompts``: prompts per engine call (None: all at once), to bound the engine's batch."""
+    them, and returns the per-task and overall avg@n and pass@k (``ks``, each at most ``n``), and
+    with ``self_verifier`` the self-verification figures (the model verifies each sample with
+    ``params``). ``chunk_prompts``: prompts per engine call (None: all at once), to bound the
+    engine's batch."""
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
         raise ValueError(f"pass@k needs 1 <= k <= n (samples per prompt, {n}); got k={bad}")
     if not examples:
         raise ValueError("evaluate: no prompts to score")
     step = chunk_prompts or len(examples)
-    scores, unparsable, tasks, completions = [], [], [], []
+    scores, unparsable, tasks, completions, self_scores = [], [], [], [], []
     for start in range(0, len(examples), step):
         chunk = examples[start:start + step]
         samples, scored = sample_and_score(engine, router, tokenizer, chunk, params, n, on_error, generate)
@@ -161,10 +184,14 @@ def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: S
         scores.append(scored.scores.reshape(len(chunk), n))
         unparsable.append(scored.unparsable.reshape(len(chunk), n))
         tasks.extend(scored.tasks[::n])
+        if self_verifier is not None:
+            self_scores.append(self_verifier.scores(engine, tokenizer, chunk, samples, params))
     all_scores, all_unparsable, task_of = np.concatenate(scores), np.concatenate(unparsable), np.array(tasks)
-    per_task = {t: TaskScores.of(all_scores[task_of == t], all_unparsable[task_of == t], ks)
+    all_self = np.concatenate(self_scores) if self_scores else None
+    per_task = {t: TaskScores.of(all_scores[task_of == t], all_unparsable[task_of == t], ks,
+                                 None if all_self is None else all_self[task_of == t])
                 for t in sorted(set(tasks))}
-    return EvalResult(tasks=per_task, overall=TaskScores.of(all_scores, all_unparsable, ks),
+    return EvalResult(tasks=per_task, overall=TaskScores.of(all_scores, all_unparsable, ks, all_self),
                       sampling=sampling_record(params, n), completions=tuple(completions))
 
 

@@ -18,6 +18,7 @@ from jaxrl.data.pipeline import DataConfig, check_mixture
 from jaxrl.distributed.placement import PlacementConfig
 from jaxrl.env.config import EnvConfig
 from jaxrl.evaluation.filter import FilterConfig
+from jaxrl.evaluation.self_verify import SelfVerifyConfig
 from jaxrl.losses.advantages import AdvantageConfig
 from jaxrl.losses.objective import ObjectiveConfig
 from jaxrl.models.config import ModelConfig
@@ -217,13 +218,16 @@ class EvalConfig:
     training (``temperature`` None = the rollout's). ``k``: the pass@k to report besides avg@n
     (``heldout/pass@K``; each ``k <= samples``; docs/evaluation.md#metrics). ``jaxrl eval``
     samples with ``samples``, ``temperature`` and ``k`` too, on every prompt unless told
-    ``--max-prompts``."""
+    ``--max-prompts``; with ``self_verify`` it also has the model verify its own samples and
+    reports Best@n and the verifier's accuracy (``SelfVerifyConfig``;
+    docs/evaluation.md#self-verification), which the trainer's held-out evaluation does not."""
 
     every: int = 0
     max_prompts: int = 64
     samples: int = 1
     temperature: float | None = None
     k: tuple[int, ...] = ()
+    self_verify: SelfVerifyConfig | None = None
 
     def __post_init__(self):
         if self.samples < 1 or self.max_prompts < 0:

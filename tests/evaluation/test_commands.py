@@ -102,3 +102,22 @@ def test_eval_refuses_a_negative_prompt_count(tmp_path, capsys):
     else:
         raise AssertionError("--max-prompts -3 was accepted")
     assert "argument --max-prompts: '-3' is not a whole number >= 0" in capsys.readouterr().err
+
+
+def test_eval_self_verification(tmp_path, capsys):
+    """``eval.self_verify``: the model verifies its samples; Best@n picks one per prompt, so it is 1 on
+    "right" and 0 on "wrong" whatever the random model's self-scores are."""
+    config, _, _ = _config(tmp_path)
+    (tmp_path / "verify.txt").write_text("{problem}{proof}")
+    settings = json.loads(open(config).read())
+    settings["eval"]["self_verify"] = {"template": str(tmp_path / "verify.txt"), "samples": 2}
+    with open(config, "w") as f:
+        json.dump(settings, f)
+    out = tmp_path / "eval.json"
+    assert main(["eval", config, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["tasks"]["right"]["best@4"] == 1.0 and result["tasks"]["wrong"]["best@4"] == 0.0
+    assert 0.0 <= result["overall"]["self_verified"] <= 1.0 and "verifier_accuracy" in result["overall"]
+    assert "best@4" in capsys.readouterr().out
+    assert main(["eval", config, "eval.self_verify.samples=0"]) == 2
+    assert "eval.self_verify.samples=0 must be >= 1" in capsys.readouterr().err

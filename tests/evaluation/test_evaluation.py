@@ -108,6 +108,64 @@ def test_evaluate_reports_the_counted_avg_and_pass_at_k(files, tokenizer):
     assert json.loads(json.dumps(result.to_json()))["overall"][f"avg@{N}"] == pytest.approx(overall.avg_at_n)
 
 
+class SelfVerifyingEngine(CountingEngine):
+    """``CountingEngine``, which also verifies its samples: a verification prompt (the template
+    ``{problem}{proof}``, e.g. ``3+4=\\boxed{8}``) gets ``n`` analyses by ``verdicts``."""
+
+    def generate(self, prompts, params, n=1):
+        texts = [self.tokenizer.decode(p) for p in prompts]
+        if not any("\\boxed{" in t for t in texts):
+            return super().generate(prompts, params, n)
+        out = []
+        for p, text in zip(prompts, texts, strict=True):
+            problem, _, value = text.partition("\\boxed{")
+            a, b = (int(x) for x in problem.rstrip("=").split("+"))
+            replies = [f"\\boxed{{{v}}}" if v is not None else "7" for v in verdicts(a + b, int(value[:-1]), n)]
+            out.append([Sample(np.asarray(p, np.int32), np.asarray(self.tokenizer.encode(t), np.int32),
+                               np.zeros(0, np.float32), "stop", "0") for t in replies])
+        return out
+
+
+def verdicts(answer: int, value: int, n: int) -> list:
+    """The engine's ``n`` analyses of a proof of ``value`` (``answer`` is right): where the answer is
+    even it grades truly, where odd it is fooled (it calls the wrong proof right and the right one
+    wrong); its first analysis is unreadable where the answer is a multiple of 3, both where of 5."""
+    honest = answer % 2 == 0
+    grade = int((value == answer) == honest)
+    return [None if (k == 0 and answer % 3 == 0) or answer % 5 == 0 else grade for k in range(n)]
+
+
+def test_self_verification_gives_the_hand_counted_best_at_n_and_accuracy(files, tokenizer, tmp_path):
+    from jaxrl.evaluation.self_verify import SelfVerifier, SelfVerifyConfig
+
+    (tmp_path / "verify.txt").write_text("{problem}{proof}")
+    examples = _examples(files, tokenizer)
+    verifier = SelfVerifier(SelfVerifyConfig(template=str(tmp_path / "verify.txt"), samples=2),
+                            lambda text: tokenizer.encode(text, add_special_tokens=False))
+    with build_router(RewardConfig()) as router:
+        result = evaluate(SelfVerifyingEngine(tokenizer, examples), router, tokenizer, examples, PARAMS, N, (1,),
+                          chunk_prompts=5, self_verifier=verifier)
+    picked, matches, graded = [], [], 0
+    for e in examples:
+        answer, c = int(e.row["answer"]), correct_count(e)
+        # Each sample's self-score: the grade of its readable analyses (they agree), or none.
+        scores = [verdicts(answer, answer if j < c else answer + 1, 2)[-1] for j in range(N)]
+        ranked = [-1 if s is None else s for s in scores]
+        picked.append(ranked.index(max(ranked)) < c)  # the first sample with the top self-score
+        for j, score in enumerate(scores):
+            if score is not None:
+                graded += 1
+                matches.append((score == 1) == (j < c))
+    assert 0 < sum(picked) < len(examples) and 0 < sum(matches) < len(matches)  # both figures are informative
+    overall = result.overall
+    assert overall.best_at_n == pytest.approx(np.mean(picked))
+    assert overall.verifier_accuracy == pytest.approx(np.mean(matches))
+    assert overall.self_verified == pytest.approx(graded / (N * len(examples)))
+    assert overall.avg_at_n == pytest.approx(np.mean([correct_count(e) / N for e in examples]))  # unchanged
+    assert result.to_json()["overall"][f"best@{N}"] == overall.best_at_n
+    assert f"best@{N}" in result.table() and "verifier_accuracy" in result.table()
+
+
 def test_evaluate_refuses_k_above_n(files, tokenizer):
     examples = _examples(files, tokenizer)
     with build_router(RewardConfig()) as router, pytest.raises(ValueError, match="k <= n"):
