@@ -9,8 +9,14 @@ same router as training). Per task and over all prompts:
   ``1 - C(n-c, k) / C(n, k)`` per prompt with ``c`` of its ``n`` samples correct
   (reward > ``CORRECT_ABOVE``), averaged over prompts;
 - ``unparsable``: the fraction of samples the reward could not grade;
-- with a ``SelfVerifier`` (``eval.self_verify``), ``best@n``, ``verifier_accuracy`` and
-  ``self_verified``: the model's verification of its own samples (``jaxrl.evaluation.self_verify``).
+- with a ``SelfVerifier`` (``eval.self_verify``; the model verifies its own samples,
+  ``jaxrl.evaluation.self_verify``): ``best@n``, per prompt the correctness of the sample with the
+  highest self-score (the first of equals; samples without one last), averaged over prompts:
+  DeepSeekMath-V2's Best@n selection; ``verifier_accuracy``, over the samples with a self-score,
+  how often the model's verdict (self-score above ``VERIFIED_ABOVE``) is the sample's correctness:
+  accuracy against ground truth where the task's reward checks a reference answer, agreement with
+  the judge for a judge kind; ``self_verified``, the fraction of samples with a self-score; and,
+  with ``refine_rounds``, pass@1 after each round of self-refinement (over all prompts).
 
 The trainer's periodic held-out evaluation and ``jaxrl eval`` both call :func:`evaluate`;
 ``jaxrl filter`` calls :func:`sample_and_score`.
@@ -21,18 +27,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from jaxrl.data.pipeline import Example
-from jaxrl.evaluation.self_verify import SelfVerifier, best_at_n, verifier_accuracy
 from jaxrl.reward.base import RewardRouter, ScoredBatch
 from jaxrl.rollout.base import RolloutEngine, Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxrl.evaluation.self_verify import SelfVerifier
 
 # A sample counts as correct for pass@k when its reward exceeds this (binary 0/1 rewards; the
 # same rule as the pass@k advantages in jaxrl.losses.passk).
 CORRECT_ABOVE = 0.5
+# The model's own verdict is "correct" when its self-score exceeds this: 1 on the rubric's scale;
+# 0.5 (sound, with minor errors) does not pass, as a correct proof scores 1.
+VERIFIED_ABOVE = 0.5
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -41,6 +52,22 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if not 1 <= k <= n or not 0 <= c <= n:
         raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def best_at_n(self_scores: np.ndarray, correct: np.ndarray) -> float:
+    """From ``[prompts, n]`` self-scores (NaN: none) and correctness: the mean correctness of the
+    sample each prompt's highest self-score picks (the first of equals; NaN ranks last)."""
+    picked = np.argmax(np.where(np.isnan(self_scores), -np.inf, self_scores), axis=1)
+    return float(np.mean(correct[np.arange(len(correct)), picked]))
+
+
+def verifier_accuracy(self_scores: np.ndarray, correct: np.ndarray) -> float | None:
+    """How often the model's verdict (self-score above ``VERIFIED_ABOVE``) is the sample's
+    correctness, over the samples with a self-score; None when no sample has one."""
+    known = ~np.isnan(self_scores)
+    if not known.any():
+        return None
+    return float(np.mean((self_scores[known] > VERIFIED_ABOVE) == correct[known]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +108,15 @@ class TaskScores:
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
     """Per-task and overall figures, with the sampling settings that produced them; with an
-    environment (multi-turn prompts), its ``env/*`` metrics over the played conversations."""
+    environment (multi-turn prompts), its ``env/*`` metrics over the played conversations; with
+    self-refinement, ``refinement``: pass@1 over all samples after each round (0: as drawn)."""
 
     tasks: dict[str, TaskScores]
     overall: TaskScores
     sampling: dict
     environment: dict = dataclasses.field(default_factory=dict)
     completions: tuple[dict, ...] = ()  # a few samples to read: prompt, response, reward, task
+    refinement: tuple[float, ...] = ()
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """Flat metrics for the trainer's log: ``PREFIX/reward`` (the overall avg@n),
@@ -110,6 +139,7 @@ class EvalResult:
         return {"sampling": self.sampling, "overall": plain(self.overall),
                 "tasks": {t: plain(s) for t, s in self.tasks.items()},
                 **({"environment": self.environment} if self.environment else {}),
+                **({"refinement": {"pass@1": list(self.refinement)}} if self.refinement else {}),
                 **({"completions": list(self.completions)} if self.completions else {})}
 
     def table(self) -> str:
@@ -124,7 +154,9 @@ class EvalResult:
                  for r in [header, *rows]]
         settings = ", ".join(f"{k}={v}" for k, v in self.sampling.items())
         played = ", ".join(f"{k}={v:.4g}" for k, v in self.environment.items())
-        return "\n".join([*lines, f"sampling: {settings}", *([f"environment: {played}"] if played else [])])
+        refined = ", ".join(f"round {i}: {v:.4f}" for i, v in enumerate(self.refinement))
+        return "\n".join([*lines, f"sampling: {settings}", *([f"environment: {played}"] if played else []),
+                          *([f"self-refinement pass@1: {refined}"] if refined else [])])
 
     def write_json(self, path: str) -> None:
         with open(path, "w") as f:
@@ -175,7 +207,7 @@ def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: S
     if not examples:
         raise ValueError("evaluate: no prompts to score")
     step = chunk_prompts or len(examples)
-    scores, unparsable, tasks, completions, self_scores = [], [], [], [], []
+    scores, unparsable, tasks, completions, self_scores, rounds = [], [], [], [], [], []
     for start in range(0, len(examples), step):
         chunk = examples[start:start + step]
         samples, scored = sample_and_score(engine, router, tokenizer, chunk, params, n, on_error, generate)
@@ -185,14 +217,20 @@ def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: S
         unparsable.append(scored.unparsable.reshape(len(chunk), n))
         tasks.extend(scored.tasks[::n])
         if self_verifier is not None:
-            self_scores.append(self_verifier.scores(engine, tokenizer, chunk, samples, params))
+            correct = scored.scores.reshape(len(chunk), n) > CORRECT_ABOVE
+            verified, refined = self_verifier.run(engine, router, tokenizer, chunk, samples, correct, params, on_error)
+            self_scores.append(verified)
+            rounds.append(refined)
     all_scores, all_unparsable, task_of = np.concatenate(scores), np.concatenate(unparsable), np.array(tasks)
     all_self = np.concatenate(self_scores) if self_scores else None
+    # pass@1 by round of refinement, over all samples; only where there were rounds after the draw.
+    by_round = np.concatenate(rounds, axis=1).mean(axis=1) if rounds else np.zeros(0)
     per_task = {t: TaskScores.of(all_scores[task_of == t], all_unparsable[task_of == t], ks,
                                  None if all_self is None else all_self[task_of == t])
                 for t in sorted(set(tasks))}
     return EvalResult(tasks=per_task, overall=TaskScores.of(all_scores, all_unparsable, ks, all_self),
-                      sampling=sampling_record(params, n), completions=tuple(completions))
+                      sampling=sampling_record(params, n), completions=tuple(completions),
+                      refinement=tuple(map(float, by_round)) if len(by_round) > 1 else ())
 
 
 COMPLETIONS_SHOWN = 4  # prompts whose first sample an evaluation keeps to be read (logs, TensorBoard, --json)

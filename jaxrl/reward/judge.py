@@ -158,12 +158,12 @@ class JudgeConfig:
                                  f"see the text it grades")
 
 
-def load_template(spec: str, key: str) -> str:
-    """The text of template ``spec``: a ``JUDGE_TEMPLATES`` name or a file; ValueError naming ``key``."""
-    if spec in JUDGE_TEMPLATES:
-        return JUDGE_TEMPLATES[spec]
+def load_template(spec: str, key: str, builtins: Mapping[str, str] = JUDGE_TEMPLATES) -> str:
+    """The text of template ``spec``: a name in ``builtins`` or a file; ValueError naming ``key``."""
+    if spec in builtins:
+        return builtins[spec]
     if not os.path.isfile(spec):
-        raise ValueError(f"{key}={spec!r} is neither a built-in template {sorted(JUDGE_TEMPLATES)} nor a file")
+        raise ValueError(f"{key}={spec!r} is neither a built-in template {sorted(builtins)} nor a file")
     with open(spec, encoding="utf-8") as f:
         return f.read()
 
