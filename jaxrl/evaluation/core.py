@@ -27,16 +27,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from jaxrl.data.pipeline import Example
+from jaxrl.evaluation.self_verify import SelfVerifier
 from jaxrl.reward.base import RewardRouter, ScoredBatch
 from jaxrl.rollout.base import RolloutEngine, Sample, SamplingParams
-
-if TYPE_CHECKING:
-    from jaxrl.evaluation.self_verify import SelfVerifier
 
 # A sample counts as correct for pass@k when its reward exceeds this (binary 0/1 rewards; the
 # same rule as the pass@k advantages in jaxrl.losses.passk).
@@ -217,14 +215,14 @@ def evaluate(engine: RolloutEngine, router: RewardRouter, tokenizer, examples: S
         unparsable.append(scored.unparsable.reshape(len(chunk), n))
         tasks.extend(scored.tasks[::n])
         if self_verifier is not None:
-            correct = scored.scores.reshape(len(chunk), n) > CORRECT_ABOVE
-            verified, refined = self_verifier.run(engine, router, tokenizer, chunk, samples, correct, params, on_error)
+            verified, refined = self_verifier.run(engine, router, tokenizer, chunk, samples, scores[-1], params,
+                                                  on_error)
             self_scores.append(verified)
             rounds.append(refined)
     all_scores, all_unparsable, task_of = np.concatenate(scores), np.concatenate(unparsable), np.array(tasks)
     all_self = np.concatenate(self_scores) if self_scores else None
     # pass@1 by round of refinement, over all samples; only where there were rounds after the draw.
-    by_round = np.concatenate(rounds, axis=1).mean(axis=1) if rounds else np.zeros(0)
+    by_round = (np.concatenate(rounds, axis=1) > CORRECT_ABOVE).mean(axis=1) if rounds else np.zeros(0)
     per_task = {t: TaskScores.of(all_scores[task_of == t], all_unparsable[task_of == t], ks,
                                  None if all_self is None else all_self[task_of == t])
                 for t in sorted(set(tasks))}

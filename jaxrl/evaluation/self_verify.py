@@ -13,8 +13,8 @@ With ``refine_rounds`` k > 0, the paper's sequential refinement follows: in each
 sample the model has not verified as correct (self-score below 1, or none) is rewritten by the
 model from the refinement prompt (``refine_template``: the problem, the sample, and its most
 critical analysis, the one with the lowest readable score), the rewrite is scored by the task's
-reward, verified again, and replaces the sample. pass@1 after each round (round 0: the samples
-as drawn) is the fraction of samples then correct. Every generation is one model turn with the
+reward, verified again, and replaces the sample; ``jaxrl.evaluation.core`` reports pass@1 after
+each round (round 0: the samples as drawn) from the rewards. Every generation is one model turn with the
 evaluation's sampling settings.
 """
 
@@ -26,13 +26,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxrl.data.pipeline import Example
-from jaxrl.evaluation.core import CORRECT_ABOVE
 from jaxrl.reward.base import RewardRouter
 from jaxrl.reward.judge import load_template, parse_judge_score, render
 from jaxrl.rollout.base import RolloutEngine, Sample, SamplingParams
 
-# The refinement prompt, in our words after the paper's idea (section 2.3: the generator revises
-# its proof from the issues its verification found). Slots: {problem}, {proof}, {analysis}.
+# The refinement prompt, in our words after the paper's idea (the generator revises its proof from
+# the issues its verification found). Slots: {problem}, {proof}, {analysis}.
 REFINE_TEMPLATES = {"refinement": """\
 Below are a problem, your earlier solution to it, and an evaluation of that solution. Write an improved \
 solution: fix every issue the evaluation rightly points out, keep what is correct, and make each step \
@@ -90,16 +89,16 @@ class SelfVerifier:
     encode: Callable[[str], list[int]]
 
     def run(self, engine: RolloutEngine, router: RewardRouter, tokenizer, examples: Sequence[Example],
-            samples: Sequence[Sequence[Sample]], correct: np.ndarray, params: SamplingParams,
+            samples: Sequence[Sequence[Sample]], rewards: np.ndarray, params: SamplingParams,
             on_error: Callable[[str], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """For sample ``samples[i][j]`` of ``examples[i]``, correct or not (``correct``, ``[prompts, n]``):
-        its self-score (``[prompts, n]``, NaN: none readable), and whether it is correct after each
-        round of refinement (``[refine_rounds + 1, prompts * n]``, row 0 ``correct``)."""
+        """For sample ``samples[i][j]`` of ``examples[i]``, whose reward is ``rewards[i, j]``: its
+        self-score (``[prompts, n]``, NaN: none readable), and its reward after each round of
+        refinement (``[refine_rounds + 1, prompts * n]``, row 0 ``rewards``)."""
         flat = [e for e, group in zip(examples, samples, strict=True) for _ in group]
         proofs = [_text(tokenizer, s) for group in samples for s in group]
         scores, analyses = self._verify(engine, tokenizer, flat, proofs, params)
         # The self-scores of the samples as drawn (a copy: refinement overwrites ``scores``).
-        first, rounds = scores.reshape(len(examples), -1).copy(), [np.asarray(correct).reshape(-1)]
+        first, rounds = scores.reshape(len(examples), -1).copy(), [np.asarray(rewards, np.float64).reshape(-1)]
         refine = self.config.text("refine_template")
         for _ in range(self.config.refine_rounds):
             todo = [i for i, score in enumerate(scores) if not score == 1.0]  # NaN included
@@ -111,7 +110,7 @@ class SelfVerifier:
                 texts = [_text(tokenizer, s) for s in rewrites]
                 scored = router.score([flat[i].prompt for i in todo], texts, [s.model_ids.tolist() for s in rewrites],
                                       [flat[i].row for i in todo], on_error=on_error)
-                now[todo] = scored.scores > CORRECT_ABOVE
+                now[todo] = scored.scores
                 new_scores, new_analyses = self._verify(engine, tokenizer, [flat[i] for i in todo], texts, params)
                 for k, i in enumerate(todo):
                     proofs[i], scores[i], analyses[i] = texts[k], new_scores[k], new_analyses[k]

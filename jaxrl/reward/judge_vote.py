@@ -1,4 +1,4 @@
-"""Scaled verification (DeepSeekMath-V2, section 2.3): one judgement drawn ``n`` times and combined.
+"""Scaled verification (DeepSeekMath-V2, https://arxiv.org/abs/2511.22570): one judgement drawn n times, combined.
 
 A judge sampled at a temperature above 0 may grade the same proof differently from one draw to
 the next. ``judge.samples`` draws each judgement that many times (each draw with its own sampling
@@ -7,8 +7,8 @@ seed, ``draw_seed``) and ``judge.combine`` folds the draws' scores into one:
 - ``majority``: the most frequent score; a tie goes to the lowest of the tied scores, so a split
   vote never rates a proof higher than half of its judges did;
 - ``mean``: the mean of the scores (0, 0.5 or 1 each, so the mean may be 1/3, 0.75, ...);
-- ``min``: the lowest score, the paper's automated labelling ("the lowest score among the
-  analyses"): one judge that finds a real flaw outweighs the ones that missed it.
+- ``min``: the lowest score, as the paper's automated labelling takes the lowest score of a
+  proof's analyses: one judge that finds a real flaw outweighs the ones that missed it.
 
 A draw without a score (an unparsable reply, a failed request) is left out of the combination;
 only a judgement none of whose draws scored is missing. ``Agreement`` measures how far the
