@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxrl.data.pipeline import Example
 from jaxrl.reward.base import RewardRouter
-from jaxrl.reward.judge import load_template, parse_judge_score, render
+from jaxrl.reward.judge import JUDGE_TEMPLATES, load_template, parse_judge_score, render
 from jaxrl.rollout.base import RolloutEngine, Sample, SamplingParams
 
 # The refinement prompt, in our words after the paper's idea (the generator revises its proof from
@@ -75,9 +75,8 @@ class SelfVerifyConfig:
 
     def text(self, key: str) -> str:
         """The text of template ``key`` (``template`` or ``refine_template``)."""
-        builtins = {"template": None, "refine_template": REFINE_TEMPLATES}[key]
-        spec, name = getattr(self, key), f"eval.self_verify.{key}"
-        return load_template(spec, name) if builtins is None else load_template(spec, name, builtins)
+        builtins = REFINE_TEMPLATES if key == "refine_template" else JUDGE_TEMPLATES
+        return load_template(getattr(self, key), f"eval.self_verify.{key}", builtins)
 
 
 @dataclasses.dataclass(frozen=True)

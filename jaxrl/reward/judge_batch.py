@@ -210,6 +210,19 @@ class JudgeScorer:
               on_error: Callable[[str], None] | None = None) -> list[Outcome]:
         """One Outcome per sample: its kind's reward, or unparsable (masked) when a judgement is missing."""
         start = time.perf_counter()
+        plans, requests = self._plan(tasks, prompts, responses, rows)
+        scores = self._judge(list(requests.values()))
+        outcomes, missing = self._outcomes(plans, requests, scores)
+        self._stats.invalid_draws += sum(r.key not in scores for r in requests.values())
+        self._stats.masked += sum(missing.values())
+        self._stats.seconds += time.perf_counter() - start
+        for judge, samples in sorted(missing.items()):
+            self._report(judge, samples, [r for r in requests.values() if r.judge == judge and r.key not in scores],
+                         on_error)
+        return outcomes
+
+    def _plan(self, tasks, prompts, responses, rows) -> tuple[list, dict[tuple[str, str, int], _Request]]:
+        """Each sample's (judge config, ``Plan``), and the batch's distinct requests by (judge, prompt, draw)."""
         plans, requests = [], {}
         for task, prompt, response, row in zip(tasks, prompts, responses, rows, strict=True):
             config, gate = self.tasks[task].judge, self.gates[task]
@@ -221,7 +234,11 @@ class JudgeScorer:
                 request = requests.setdefault((config.server, text, draw), _Request(
                     config.server, text, JudgeCache.key(self.models[config.server].identity, text, draw), 0))
                 request.tries = max(request.tries, 1 + config.retries)
-        scores = self._judge(list(requests.values()))
+        return plans, requests
+
+    def _outcomes(self, plans, requests, scores: Mapping[str, float]) -> tuple[list[Outcome], dict[str, int]]:
+        """Each sample's Outcome from its judgements (each its draws' ``combine``), the masked samples
+        per judge; the draws' agreement is added to the metrics once per distinct judgement."""
         outcomes, missing, votes = [], {}, {}
         for config, plan in plans:
             passes = {}
@@ -236,13 +253,7 @@ class JudgeScorer:
                 outcomes.append(Outcome("ok", float(plan.reward(passes))))
         for draws in votes.values():
             self._agreement.add(draws)
-        self._stats.invalid_draws += sum(r.key not in scores for r in requests.values())
-        self._stats.masked += sum(missing.values())
-        self._stats.seconds += time.perf_counter() - start
-        for judge, samples in sorted(missing.items()):
-            self._report(judge, samples, [r for r in requests.values() if r.judge == judge and r.key not in scores],
-                         on_error)
-        return outcomes
+        return outcomes, missing
 
     def _judge(self, requests: list[_Request]) -> dict[str, float]:
         """Scores by cache key: from the cache, then from rounds of judge calls (module docstring)."""
