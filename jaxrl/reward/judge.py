@@ -32,6 +32,7 @@ import os
 import re
 from typing import Callable, Mapping
 
+from jaxrl.reward.judge_vote import Combine
 from jaxrl.reward.math import extract_boxed
 
 # The rubrics, in our words after the paper's appendices A.2 (proof verification) and A.3
@@ -116,6 +117,10 @@ class JudgeConfig:
     (``self_verification``) the text that starts the self-analysis Z; the proof Y is what comes
     before it. retries: how many more times a judgement that failed or could not be parsed is
     asked before its sample is masked. alpha, beta: the ``self_verification`` weights.
+    samples: how many times each judgement (each pass of the kind) is drawn, each draw with its own
+    sampling seed; combine: how the draws' scores become the judgement's, ``majority``, ``mean`` or
+    ``min`` (``jaxrl.reward.judge_vote``; DeepSeekMath-V2's scaled verification). More than one
+    draw needs a judge that samples (``judges.<server>.temperature`` > 0).
     """
 
     server: str
@@ -128,6 +133,8 @@ class JudgeConfig:
     retries: int = 2
     alpha: float = 0.76
     beta: float = 0.24
+    samples: int = 1
+    combine: Combine = "majority"
 
     def __post_init__(self):
         if not self.server:
@@ -137,6 +144,8 @@ class JudgeConfig:
         for key in ("alpha", "beta"):
             if not getattr(self, key) >= 0:
                 raise ValueError(f"judge.{key}={getattr(self, key)} must be >= 0")
+        if self.samples < 1:
+            raise ValueError(f"judge.samples={self.samples} must be >= 1 (1: each judgement is drawn once)")
         if not self.analysis_header.strip():
             raise ValueError("judge.analysis_header is blank; give the text that starts the self-analysis")
 
@@ -149,12 +158,12 @@ class JudgeConfig:
                                  f"see the text it grades")
 
 
-def load_template(spec: str, key: str) -> str:
-    """The text of template ``spec``: a ``JUDGE_TEMPLATES`` name or a file; ValueError naming ``key``."""
-    if spec in JUDGE_TEMPLATES:
-        return JUDGE_TEMPLATES[spec]
+def load_template(spec: str, key: str, builtins: Mapping[str, str] = JUDGE_TEMPLATES) -> str:
+    """The text of template ``spec``: a name in ``builtins`` or a file; ValueError naming ``key``."""
+    if spec in builtins:
+        return builtins[spec]
     if not os.path.isfile(spec):
-        raise ValueError(f"{key}={spec!r} is neither a built-in template {sorted(JUDGE_TEMPLATES)} nor a file")
+        raise ValueError(f"{key}={spec!r} is neither a built-in template {sorted(builtins)} nor a file")
     with open(spec, encoding="utf-8") as f:
         return f.read()
 

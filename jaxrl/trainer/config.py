@@ -18,6 +18,7 @@ from jaxrl.data.pipeline import DataConfig, check_mixture
 from jaxrl.distributed.placement import PlacementConfig
 from jaxrl.env.config import EnvConfig
 from jaxrl.evaluation.filter import FilterConfig
+from jaxrl.evaluation.self_verify import SelfVerifyConfig
 from jaxrl.losses.advantages import AdvantageConfig
 from jaxrl.losses.objective import ObjectiveConfig
 from jaxrl.models.config import ModelConfig
@@ -217,13 +218,16 @@ class EvalConfig:
     training (``temperature`` None = the rollout's). ``k``: the pass@k to report besides avg@n
     (``heldout/pass@K``; each ``k <= samples``; docs/evaluation.md#metrics). ``jaxrl eval``
     samples with ``samples``, ``temperature`` and ``k`` too, on every prompt unless told
-    ``--max-prompts``."""
+    ``--max-prompts``; with ``self_verify`` it also has the model verify its own samples and
+    reports Best@n and the verifier's accuracy (``SelfVerifyConfig``;
+    docs/evaluation.md#self-verification), which the trainer's held-out evaluation does not."""
 
     every: int = 0
     max_prompts: int = 64
     samples: int = 1
     temperature: float | None = None
     k: tuple[int, ...] = ()
+    self_verify: SelfVerifyConfig | None = None
 
     def __post_init__(self):
         if self.samples < 1 or self.max_prompts < 0:
@@ -338,6 +342,10 @@ class TrainConfig:
             if task.judge is not None and task.judge.server not in self.judges:
                 raise ValueError(f"reward.tasks.{name}.judge.server={task.judge.server!r} is not a key of judges "
                                  f"{sorted(self.judges)}; declare the judge's fleet there")
+            if task.judge is not None and task.judge.samples > 1 and self.judges[task.judge.server].temperature == 0:
+                raise ValueError(f"reward.tasks.{name}.judge.samples={task.judge.samples} draws the same judgement "
+                                 f"from a greedy judge (judges.{task.judge.server}.temperature=0): set that "
+                                 f"temperature above 0, or judge.samples to 1")
         if self.critic is not None and not self.advantage.needs_critic:
             raise ValueError(
                 f"critic.* is set but advantage.estimator={self.advantage.estimator!r} uses no critic; the critic "

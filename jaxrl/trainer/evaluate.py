@@ -121,6 +121,13 @@ class _Setup:
                               stop_token_ids=self.stop_token_ids, seed=self.config.seed,
                               logprob_kind=r.logprob_kind)
 
+    def encode(self, text: str) -> list[int]:
+        """A prompt's token ids, encoded as the data section encodes the rows' prompts."""
+        from jaxrl.data import encode_prompt
+
+        d = self.config.data
+        return encode_prompt(self.tokenizer, text, use_chat_template=d.use_chat_template, system_prompt=d.system_prompt)
+
     def close(self):
         for thing in (self.router, self.engine):
             if thing is not None:
@@ -155,6 +162,7 @@ def eval_main(argv: Sequence[str]) -> int:
 
     def body(setup: _Setup) -> int:
         from jaxrl.evaluation import evaluate
+        from jaxrl.evaluation.self_verify import SelfVerifier
         from jaxrl.trainer.stages.rollout.episodes import environment_metrics
 
         e = setup.config.eval
@@ -163,8 +171,9 @@ def eval_main(argv: Sequence[str]) -> int:
         chunk = max(setup.config.rollout.prompts_per_step, 1)
         setup.start(setup.config.data.eval_files, args.max_prompts, chunk * e.samples)
         generate, played = _conversations(setup)
+        verifier = None if e.self_verify is None else SelfVerifier(e.self_verify, setup.encode)
         result = evaluate(setup.engine, setup.router, setup.tokenizer, setup.examples, setup.sampling(e.temperature),
-                          e.samples, e.k, chunk_prompts=chunk, generate=generate)
+                          e.samples, e.k, chunk_prompts=chunk, generate=generate, self_verifier=verifier)
         result = dataclasses.replace(result, sampling={**result.sampling, "model": setup.model_source,
                                                        "files": list(setup.config.data.eval_files)},
                                      environment=environment_metrics(played))

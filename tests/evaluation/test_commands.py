@@ -102,3 +102,29 @@ def test_eval_refuses_a_negative_prompt_count(tmp_path, capsys):
     else:
         raise AssertionError("--max-prompts -3 was accepted")
     assert "argument --max-prompts: '-3' is not a whole number >= 0" in capsys.readouterr().err
+
+
+def test_eval_self_verification(tmp_path, capsys):
+    """``eval.self_verify``: the model verifies its samples and refines them once; Best@n picks one
+    sample per prompt and pass@1 counts every sample, so both are 1 on "right" and 0 on "wrong"
+    whatever the random model writes: the overall figures are the share of "right" prompts."""
+    config, prompts, rights = _config(tmp_path)
+    (tmp_path / "verify.txt").write_text("{problem}{proof}")
+    (tmp_path / "refine.txt").write_text("{problem}{proof}{analysis}")
+    settings = json.loads(open(config).read())
+    settings["eval"]["self_verify"] = {"template": str(tmp_path / "verify.txt"), "samples": 2, "refine_rounds": 1,
+                                       "refine_template": str(tmp_path / "refine.txt")}
+    with open(config, "w") as f:
+        json.dump(settings, f)
+    out = tmp_path / "eval.json"
+    assert main(["eval", config, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["tasks"]["right"]["best@4"] == 1.0 and result["tasks"]["wrong"]["best@4"] == 0.0
+    assert result["overall"]["best@4"] == rights / prompts
+    assert 0.0 <= result["overall"]["self_verified"] <= 1.0 and "verifier_accuracy" in result["overall"]
+    assert result["refinement"]["pass@1"] == [rights / prompts] * 2
+    assert "best@4" in capsys.readouterr().out
+    assert main(["eval", config, "eval.self_verify.samples=0"]) == 2
+    assert "eval.self_verify.samples=0 must be >= 1" in capsys.readouterr().err
+    assert main(["eval", config, f"eval.self_verify.refine_template={tmp_path / 'verify.txt'}"]) == 2
+    assert "eval.self_verify.refine_template=" in (err := capsys.readouterr().err) and "no {analysis} slot" in err

@@ -6,15 +6,18 @@ judge whose replies are known: a Qwen3 checkpoint whose greedy decoding is a big
 (``write_bigram_checkpoint``), with a character tokenizer in which each verdict is one token. The
 token last in the judge's prompt decides the reply, and every template puts the graded text last,
 so a response ending in ``A`` gets ``\\boxed{1}``, ``B`` ``\\boxed{0}``, ``C`` ``\\boxed{0.5}``, ``D`` a
-reply without a box; any other character gets ``VERDICTS[ord(c) % 4]``. Requests are counted by an
-HTTP proxy in front of the server (closing it makes a dead judge). Last, one RL step of the trainer
-with a judge task.
+reply without a box; any other character gets ``VERDICTS[ord(c) % 4]``; after ``E`` the four verdicts
+tie, so a judge sampled at temperature 1 draws one of them at random (scaled verification). Requests
+are counted and recorded by an HTTP proxy in front of the server (closing it makes a dead judge).
+Last, one RL step of the trainer with a judge task.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import http.server
+import json
 import re
 import socket
 import string
@@ -32,6 +35,7 @@ from jaxrl.reward import (JudgeCache, JudgeConfig, JudgeScorer, JudgeUnavailable
                           parse_judge_score)
 from jaxrl.reward.base import Outcome
 from jaxrl.reward.judge import render, score_reward, self_verification_reward, verifier_reward
+from jaxrl.reward.judge_vote import Agreement, combine_scores
 from jaxrl.rollout.sglang import ClientConfig, ServerConfig
 from jaxrl.rollout.sglang.judge import JudgeServerConfig, SGLangJudge
 from jaxrl.rollout.sglang.launch import CPU_VENV_PYTHON
@@ -41,6 +45,8 @@ from server_ports import free_base_port
 
 VERDICTS = ("\\boxed{1}", "\\boxed{0}", "\\boxed{0.5}", "score: 1")  # the judge's replies, one token each
 MARKERS = {"A": "\\boxed{1}", "B": "\\boxed{0}", "C": "\\boxed{0.5}", "D": "score: 1"}
+TIED = "E"  # its successors: all four verdicts, equally likely at temperature 1
+VERDICT_SCORES = {"\\boxed{1}": 1.0, "\\boxed{0}": 0.0, "\\boxed{0.5}": 0.5, "score: 1": None}  # by the rubric
 ALPHABET = string.ascii_letters + string.digits + string.punctuation + " \n"
 EVALUATION = "Here is my evaluation of the solution:"  # the verifier tasks' required phrase
 
@@ -76,6 +82,27 @@ def test_the_formulas_on_hand_derived_values():
     assert self_verification_reward(True, 0.0, 0.0, 1.0, 0.76, 0.24) == pytest.approx(0.24)   # honest about 0
 
 
+@pytest.mark.parametrize("draws, majority, mean, lowest", [
+    ([1.0, 0.5, 1.0], 1.0, 2.5 / 3, 0.5),
+    ([1.0, 0.0, 0.5, 0.0, 1.0], 0.0, 0.5, 0.0),      # a 2-2 tie goes to the lower score
+    ([None, 0.5, None, 1.0, 0.5], 0.5, 2 / 3, 0.5),  # draws without a score are left out
+    ([None, 1.0], 1.0, 1.0, 1.0),
+    ([None, None], None, None, None)])                # no draw scored: the judgement is missing
+def test_the_combinations_on_hand_derived_values(draws, majority, mean, lowest):
+    combined = [combine_scores(how, draws) for how in ("majority", "mean", "min")]
+    assert combined == [majority, pytest.approx(mean) if mean is not None else None, lowest]
+
+
+def test_agreement_counts_the_judgements_with_two_scored_draws():
+    agreement = Agreement()
+    for draws in ([1.0, 1.0, None], [1.0, 0.0, 1.0], [0.5, None], [None, None]):
+        agreement.add(draws)
+    # Two judgements count: one unanimous (1 of 1 pairs agrees), one with 1 of 3 pairs agreeing.
+    assert agreement.metrics() == {"judge/voted": 2.0, "judge/agreement_unanimous": 0.5,
+                                   "judge/agreement_pairwise": pytest.approx((1 + 1 / 3) / 2)}
+    assert Agreement().metrics() == {"judge/voted": 0.0}
+
+
 def _task(kind, **judge):
     """A task of a judge kind on the judge "grader"; the verifier kinds require the rubric's phrase."""
     return TaskRewardConfig(kind=kind, judge=JudgeConfig(server="grader", **judge),
@@ -107,6 +134,15 @@ def test_config_errors_name_the_key(tmp_path):
             "kind": "judge", "judge": {"server": "grader", "template": "missing.txt"}}}}})
     with pytest.raises(ConfigError, match=r"judges.grader.temperature: expected a number"):
         from_dict(TrainConfig, {**base, "judges": {"grader": {"tokenizer": "t", "urls": ["u"], "temperature": "hot"}}})
+    judges = {"grader": {"tokenizer": "t", "urls": ["u"]}}
+    for judge, message in (({"samples": 0}, r"judge.samples=0 must be >= 1"),
+                           ({"combine": "max"}, r"judge.combine: 'max' is not allowed; allowed values: "
+                                               r"\['majority', 'mean', 'min'\]"),
+                           ({"samples": 3}, r"reward.tasks.p.judge.samples=3 draws the same judgement from a greedy "
+                                            r"judge \(judges.grader.temperature=0\)")):
+        with pytest.raises(ConfigError, match=message):
+            from_dict(TrainConfig, {**base, "judges": judges, "reward": {"default_task": "p", "tasks": {"p": {
+                "kind": "judge", "judge": {"server": "grader", **judge}}}}})
 
 
 def test_rows_a_verifier_cannot_grade_are_named():
@@ -119,31 +155,34 @@ def test_rows_a_verifier_cannot_grade_are_named():
 
 def test_the_cache_file_is_read_back_and_a_torn_line_skipped(tmp_path):
     path = str(tmp_path / "cache" / "process-0.jsonl")
-    JudgeCache(path).put({JudgeCache.key("judge v1", "prompt"): 0.5})
+    JudgeCache(path).put({JudgeCache.key("judge v1", "prompt", 0): 0.5})
     with open(path, "a") as f:
         f.write('{"key": "torn')
     reopened = JudgeCache(path)
-    assert reopened.get(JudgeCache.key("judge v1", "prompt")) == 0.5 and len(reopened) == 1
-    assert reopened.get(JudgeCache.key("judge v2", "prompt")) is None  # another judge version: not a hit
+    assert reopened.get(JudgeCache.key("judge v1", "prompt", 0)) == 0.5 and len(reopened) == 1
+    assert reopened.get(JudgeCache.key("judge v2", "prompt", 0)) is None  # another judge version: not a hit
+    assert reopened.get(JudgeCache.key("judge v1", "prompt", 1)) is None  # another draw: not a hit
 
 
 # ------------------------------------------------------------------------------- a real judge
 class CountingProxy:
-    """An HTTP proxy in front of ``upstream`` that counts the ``/generate`` requests it forwards;
-    ``close()`` shuts its port, so the judge behind it is dead to its clients."""
+    """An HTTP proxy in front of ``upstream`` that counts the ``/generate`` requests it forwards and
+    keeps each one's body and answer, as JSON (``exchanges``); ``close()`` shuts its port, so the
+    judge behind it is dead to its clients."""
 
     def __init__(self, upstream: str):
-        self.generate_requests = 0
+        self.generate_requests, self.exchanges = 0, []
         lock, proxy = threading.Lock(), self
 
         class Forward(http.server.BaseHTTPRequestHandler):
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                answer = requests.request(self.command, upstream + self.path, data=body, timeout=120,
+                                          headers={"Content-Type": "application/json"})
                 if self.path == "/generate":
                     with lock:
                         proxy.generate_requests += 1
-                answer = requests.request(self.command, upstream + self.path, data=body, timeout=120,
-                                          headers={"Content-Type": "application/json"})
+                        proxy.exchanges.append((json.loads(body), answer.json()))
                 self.send_response(answer.status_code)
                 self.send_header("Content-Type", answer.headers.get("Content-Type", "application/json"))
                 self.send_header("Content-Length", str(len(answer.content)))
@@ -178,9 +217,10 @@ class Judge:
     next_token: list[int]
     tokenizer: str
 
-    def external(self, url: str, **client) -> SGLangJudge:
+    def external(self, url: str, temperature: float = 0.0, **client) -> SGLangJudge:
         """The judge on servers started elsewhere (``judges.<name>.urls``): here, ``url``, the proxy."""
         return SGLangJudge(JudgeServerConfig(tokenizer=self.tokenizer, urls=(url,), use_chat_template=False,
+                                             temperature=temperature,
                                              client=ClientConfig(**{"max_tries": 2, "backoff_s": 0.05, **client})))
 
 
@@ -195,6 +235,7 @@ def judge(tmp_path_factory):
     for char in ALPHABET:
         verdict = MARKERS.get(char, VERDICTS[ord(char) % len(VERDICTS)])
         next_token[tokenizer.convert_tokens_to_ids(char)] = tokenizer.convert_tokens_to_ids(verdict)
+    next_token[tokenizer.convert_tokens_to_ids(TIED)] = tuple(tokenizer.convert_tokens_to_ids(VERDICTS))
     write_bigram_checkpoint(str(tmp / "model"), config, next_token)
     server = ServerConfig(model_path=str(tmp / "model"), base_port=free_base_port(), log_dir=str(tmp / "logs"),
                           max_total_tokens=65536, startup_timeout_s=300, stop_timeout_s=2)
@@ -277,6 +318,58 @@ def test_the_cache_spares_a_second_scoring_and_a_resumed_run(judge, proxy, tmp_p
     assert [o.score for o in first] == [1.0, 0.0, 1.0, 0.5]
 
 
+def _hand_majority(scores):
+    """The most frequent score, a tie to the lowest (how ``judge.combine: majority`` is documented)."""
+    counts = collections.Counter(scores)
+    return min(score for score in counts if counts[score] == max(counts.values()))
+
+
+@needs_sglang
+def test_n_verifications_combine_to_the_hand_computed_majority_and_minimum(judge, proxy):
+    """Five draws per judgement at temperature 1, each with its own seed; the expected scores are
+    computed here from the raw verdicts the server sent back (recorded by the proxy)."""
+    combines = ("majority", "min", "mean")
+    scorer = _scorer(judge.external(proxy.url, temperature=1.0),
+                     {how: _task("judge", samples=5, combine=how, retries=0) for how in combines})
+    responses = [f"proof {i} {TIED}" for i in range(6)] + ["proof A"]
+    batch = ([how for how in combines for _ in responses], ["q"] * 21, responses * 3, [{}] * 21)
+    outcomes = scorer.score(*batch)
+    # The judgements of the three tasks are the same prompts, so each prompt's five draws serve all three.
+    assert proxy.generate_requests == 7 * 5
+    tokenizer, raw, seeds = judge.model.tokenizer, collections.defaultdict(list), collections.defaultdict(list)
+    for body, answer in proxy.exchanges:
+        graded = tokenizer.decode(body["input_ids"]).rpartition("\n")[2]  # the response, last in the rubric
+        raw[graded].append(VERDICT_SCORES[tokenizer.decode(answer["output_ids"], skip_special_tokens=True)])
+        seeds[graded].append(body["sampling_params"]["sampling_seed"])
+    assert sorted(raw) == sorted(responses) and all(len(set(s)) == 5 for s in seeds.values())
+    assert raw["proof A"] == [1.0] * 5
+    assert any(len(set(raw[r])) > 1 for r in responses)  # the tied verdicts were drawn differently
+    valid = {r: [s for s in raw[r] if s is not None] for r in responses}
+    expected = {"majority": {r: _hand_majority(v) if v else None for r, v in valid.items()},
+                "min": {r: min(v) if v else None for r, v in valid.items()},
+                "mean": {r: sum(v) / len(v) if v else None for r, v in valid.items()}}
+    got = [(o.score, o.unparsable) for o in outcomes]
+    assert got == [(pytest.approx(expected[how][r] or 0.0), expected[how][r] is None)
+                   for how in combines for r in responses]
+    voted = [v for v in valid.values() if len(v) >= 2]
+    metrics = scorer.take_metrics()
+    assert metrics["judge/invalid_draws"] == sum(s is None for r in responses for s in raw[r])
+    assert metrics["judge/masked"] == 3 * sum(not v for v in valid.values())
+    assert metrics["judge/voted"] == len(voted)
+    assert metrics["judge/agreement_unanimous"] == pytest.approx(sum(len(set(v)) == 1 for v in voted) / len(voted))
+    pairs = [sum(a == b for i, a in enumerate(v) for b in v[i + 1:]) / (len(v) * (len(v) - 1) / 2) for v in voted]
+    assert metrics["judge/agreement_pairwise"] == pytest.approx(sum(pairs) / len(pairs))
+    # A second scorer (no cache) sends each draw the same seed again: the draws are reproducible
+    # wherever the server honours seeds (SGLang with --enable-deterministic-inference, on GPUs).
+    again = _scorer(judge.external(proxy.url, temperature=1.0),
+                    {"min": _task("judge", samples=5, combine="min", retries=0)})
+    again.score(["min"] * 7, ["q"] * 7, responses, [{}] * 7)
+    resent = collections.defaultdict(list)
+    for body, _ in proxy.exchanges[35:]:
+        resent[tokenizer.decode(body["input_ids"]).rpartition("\n")[2]].append(body["sampling_params"]["sampling_seed"])
+    assert {r: sorted(s) for r, s in resent.items()} == {r: sorted(s) for r, s in seeds.items()}
+
+
 @needs_sglang
 def test_a_dead_judge_is_reported_by_its_url(judge):
     closed = f"http://127.0.0.1:{_free_port()}"
@@ -306,8 +399,10 @@ def test_the_trainer_trains_on_the_judges_rewards_and_logs_its_metrics(judge, pr
                  "max_prompt_tokens": 6},
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6},
         "reward": {"default_task": "proof", "task_field": "none", "tasks": {"proof": {
-            "kind": "judge", "judge": {"server": "grader", "template": str(tmp_path / "rubric.txt"), "retries": 1}}}},
-        "judges": {"grader": {"tokenizer": judge.tokenizer, "urls": [proxy.url], "use_chat_template": False}},
+            "kind": "judge", "judge": {"server": "grader", "template": str(tmp_path / "rubric.txt"), "retries": 1,
+                                       "samples": 2, "combine": "min"}}}},
+        "judges": {"grader": {"tokenizer": judge.tokenizer, "urls": [proxy.url], "use_chat_template": False,
+                              "temperature": 1.0}},
         "logging": {"progress": False, "tensorboard": False, "plots": False}})
     seen, scored = {}, []
     real_advantages = advantage_stage.advantages
@@ -342,7 +437,10 @@ def test_the_trainer_trains_on_the_judges_rewards_and_logs_its_metrics(judge, pr
     row = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))[0]
     malformed = {p for p, e in zip(judge_prompts, expected, strict=True) if e is None}
     distinct, malformed = len(set(judge_prompts)), len(malformed)
-    assert row["reward/judge/requests"] == proxy.generate_requests == distinct + malformed  # retries=1
+    # Two draws of each distinct prompt (the verdicts here are not tied: both draws agree); a
+    # malformed one is asked twice per draw (retries=1).
+    assert row["reward/judge/requests"] == proxy.generate_requests == 2 * (distinct + malformed)
     assert row["reward/judge/masked"] == sum(e is None for e in expected)
+    assert row["reward/judge/voted"] == distinct - malformed and row["reward/judge/agreement_unanimous"] == 1.0
     assert row["reward/judge/latency_max_s"] > 0 and "reward/judge/failure_rate" in row
     assert (tmp_path / "run" / "judge_cache" / "process-0.jsonl").is_file()

@@ -80,13 +80,16 @@ class SGLangJudge:
     def describe(self) -> str:
         return "; ".join(self.fleet.describe(i) for i in range(self.fleet.num_servers))
 
-    def judge(self, prompts) -> list[JudgeReply]:
-        """One reply per prompt, all requests in flight at once; a request that failed for good is a
-        reply with its error (naming the server's URL)."""
+    def judge(self, prompts, seeds=None) -> list[JudgeReply]:
+        """One reply per prompt, all requests in flight at once, prompt ``i`` with SGLang's
+        ``sampling_seed`` ``seeds[i]`` when given (honoured by servers started with
+        ``--enable-deterministic-inference``); a request that failed for good is a reply with its
+        error (naming the server's URL)."""
         calls = []
         for i, prompt in enumerate(prompts):
             ids = encode_prompt(self.tokenizer, prompt, use_chat_template=self.config.use_chat_template)
-            payload = {"input_ids": ids, "sampling_params": self.sampling}
+            sampling = self.sampling if seeds is None else {**self.sampling, "sampling_seed": int(seeds[i])}
+            payload = {"input_ids": ids, "sampling_params": sampling}
             calls.append((i % self.fleet.num_servers, "POST", "/generate", payload, f"judgement ({len(ids)} tokens)"))
         settled = self.client.map_settled(calls)
         return [self._reply(outcome, call[0]) for outcome, call in zip(settled, calls, strict=True)]

@@ -33,25 +33,30 @@ def write_random_checkpoint(path: str, config: ModelConfig, seed: int = 0, matri
 
 
 
-def write_bigram_checkpoint(path: str, config: ModelConfig, next_token: Sequence[int], seed: int = 0) -> Decoder:
+def write_bigram_checkpoint(path: str, config: ModelConfig, next_token: Sequence[int | Sequence[int]],
+                            seed: int = 0) -> Decoder:
     """Writes (and returns) a decoder of ``config`` whose greedy decoding is a bigram program: after
-    token ``a`` comes ``next_token[a]`` (one entry per vocabulary id), whatever precedes it.
+    token ``a`` comes ``next_token[a]`` (one entry per vocabulary id), whatever precedes it. An
+    entry may be a tuple of successors instead, which share the top logit: sampled at temperature
+    1, the next token is one of them, each equally likely.
 
     How: every attention ``o_proj`` and MLP ``down_proj`` is zero, so each position's residual
-    stream is its token's embedding. Token ``a``'s embedding is the unit vector of the slot of
-    its successor (one slot per distinct successor, at most ``hidden_size``), and the LM head
-    column of each successor is 10 times its slot's unit vector. After the final RMSNorm the
-    successor's logit is ``10 * sqrt(hidden_size)`` and every other logit 0.
+    stream is its token's embedding. Token ``a``'s embedding is the sum of the unit vectors of the
+    slots of its successors (one slot per distinct successor, at most ``hidden_size``), and the LM
+    head column of each successor is 10 times its slot's unit vector. After the final RMSNorm
+    each of ``a``'s ``m`` successors has the logit ``10 * sqrt(hidden_size / m)`` and every other
+    token 0.
     """
     if len(next_token) != config.vocab_size:
         raise ValueError(f"next_token has {len(next_token)} entries for a vocabulary of {config.vocab_size}")
-    slots = {token: i for i, token in enumerate(sorted(set(next_token)))}
+    successors = [(entry,) if isinstance(entry, (int, np.integer)) else tuple(entry) for entry in next_token]
+    slots = {token: i for i, token in enumerate(sorted({t for entry in successors for t in entry}))}
     if len(slots) > config.hidden_size:
         raise ValueError(f"{len(slots)} distinct successors need hidden_size >= {len(slots)}")
     embed = np.zeros((config.vocab_size, config.hidden_size), np.float32)
     head = np.zeros((config.hidden_size, config.vocab_size), np.float32)  # ours is [hidden, vocab]
-    for token, successor in enumerate(next_token):
-        embed[token, slots[successor]] = 1.0
+    for token, entry in enumerate(successors):
+        embed[token, [slots[successor] for successor in entry]] = 1.0
     for successor, slot in slots.items():
         head[slot, successor] = 10.0
     model = random_decoder(config, seed)
