@@ -25,8 +25,9 @@ MLP_KINDS = ("dense", "moe")
 # `jaxrl.models.attention.ATTENTION_IMPLS` maps every other name to its function.
 ATTENTION_IMPL_NAMES = ("auto", "xla", "chunked", "splash", "cudnn")
 # Context parallelism of the full forward (`ModelConfig.context_parallel`): "auto" = Ulysses when the current
-# mesh shards "length" (jaxrl.models.context_parallel), "none" = never, "ulysses" = always (error without).
-CONTEXT_PARALLEL_NAMES = ("auto", "none", "ulysses")
+# mesh shards "length" (jaxrl.models.context_parallel), "none" = never, "ulysses" = always (error without),
+# "ring" = ring attention for the softmax layers (jaxrl.models.ring; error without such a mesh).
+CONTEXT_PARALLEL_NAMES = ("auto", "none", "ulysses", "ring")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # transformers `architectures` / `model_type` of the families this package reads and writes.
