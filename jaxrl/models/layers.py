@@ -17,10 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models import context_parallel
+from jaxrl.models import context_parallel, ring
 from jaxrl.models.attention import attention
 from jaxrl.models.config import ModelConfig
-from jaxrl.models.ring import ring_attention
 from jaxrl.models.rope import rotary
 from jaxrl.models.sharding import constrain
 
@@ -163,7 +162,7 @@ class Attention(nnx.Module):
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
         run = (attention if cp_plan is None
-               else functools.partial(ring_attention if cp_plan.ring else context_parallel.ulysses_attention,
+               else functools.partial(ring.ring_attention if cp_plan.ring else context_parallel.ulysses_attention,
                                       plan=cp_plan))
         out = run(q, k, v, q_slot, kv_slot, segment_ids, kv_segment_ids, impl=c.attention_impl,
                   scale=c.head_dim ** -0.5, dtype=dtype, block_size=c.attention_block_size,

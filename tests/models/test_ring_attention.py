@@ -7,6 +7,7 @@ layers, the linear ones on Ulysses) over meshes sequence=8 and tensor=2 x sequen
 float32, tolerance 1e-5 of each array's largest magnitude as in tests/models/test_context_parallel.py
 (the ring sums the softmax over the shards' key blocks in another order than one device's einsum).
 """
+import contextlib
 import functools
 
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_context_parallel import DENSE, HYBRID, assert_close, logits_and_grads, packed_batch, randomize
+from test_context_parallel import DENSE, HYBRID, assert_close, packed_batch, randomize
 
 from jaxrl.models import Decoder, MeshConfig, make_mesh, ring, shard_model
 from jaxrl.models import context_parallel as cp
@@ -72,35 +73,65 @@ def test_ring_attention_equals_one_device(mesh_name):
         assert_close(np.asarray(have)[:, in_row_order], expected)
 
 
-@pytest.fixture(scope="module", params=["dense", "hybrid"])
+# Small to compile fast: one softmax layer; a lightning layer (its state runs along the row, so it fails
+# unless Ulysses puts the columns back in row order) with a MoE block (its routes come back through the
+# layout move) before a softmax one. Gated DeltaNet runs the same Ulysses path (test_context_parallel).
+MODELS = {"softmax": DENSE.replace(num_layers=1, layer_types=("full_attention",), mlp_types=("dense",)),
+          "hybrid": HYBRID.replace(num_layers=2, layer_types=("lightning_attention", "full_attention"),
+                                   mlp_types=("moe", "dense"))}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
 def reference(request):
-    """A softmax decoder (two layers, 2 key/value heads of query groups of 4) and the hybrid of
-    test_context_parallel, each with its one-device logits and gradients on packed, padded rows."""
-    config = DENSE if request.param == "dense" else HYBRID
+    """The model's one-device logits, gradients and routes on packed, padded rows (`xla` attention)."""
+    config = MODELS[request.param]
     model = randomize(Decoder(config.replace(attention_impl="xla"), rngs=nnx.Rngs(1)), seed=2)
     batch = packed_batch()
-    logits, grads = nnx.jit(logits_and_grads)(model, *batch)
-    return config, model, batch, np.asarray(logits), jax.tree.map(np.asarray, grads)
+    outputs, grads = nnx.jit(loss_and_grads)(model, *batch)
+    return config, model, batch, jax.tree.map(np.asarray, outputs), jax.tree.map(np.asarray, grads)
+
+
+def loss_and_grads(model, ids, positions, segment_ids):
+    """((logits, routes), gradients) of next-token NLL over the real tokens plus the load-balancing loss."""
+    def loss(model):
+        out = model(ids, positions, segment_ids)
+        logits = model.head(out.hidden)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.roll(ids, -1, axis=1)[..., None], axis=-1)[..., 0]
+        mask = (segment_ids != 0).astype(jnp.float32)
+        return -jnp.sum(logp * mask) / jnp.sum(mask) + 0.1 * out.aux_loss, (logits, out.routed_experts)
+
+    (_, outputs), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return outputs, nnx.state(grads)
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_ring_decoder_forward_and_gradients_equal_one_device(reference, mesh_name):
-    config, model, batch, logits, grads = reference
+    config, model, batch, (logits, routes), grads = reference
     ringed = nnx.merge(nnx.graphdef(Decoder(config.replace(context_parallel="ring"), rngs=nnx.Rngs(0))),
                        nnx.state(nnx.clone(model)))
     mesh = make_mesh(MESHES[mesh_name])
     sharded, _ = shard_model(ringed, mesh)
-    with jax.set_mesh(mesh):
-        step = nnx.jit(logits_and_grads)
-        text = step.lower(sharded, *batch).as_text()
-        got_logits, got_grads = step(sharded, *batch)
-    assert "collective_permute" in text  # the ring ran
+    with jax.set_mesh(mesh), count_calls(ring, "ring_attention") as rings:
+        (got_logits, got_routes), got_grads = nnx.jit(loss_and_grads)(sharded, *batch)
+    assert rings == [1]  # the softmax layer ran the ring
     assert np.abs(logits).max() > 1.0
     assert_close(got_logits, logits)
+    np.testing.assert_array_equal(got_routes, routes)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
     for path, have, want in zip(paths, jax.tree.leaves(got_grads), jax.tree.leaves(grads), strict=True):
         assert np.abs(want).max() > 0, path
         assert_close(have, want)
+
+
+@contextlib.contextmanager
+def count_calls(module, name):
+    """A list that gets a 1 for every trace-time call of `module.name` inside the block."""
+    calls, original = [], getattr(module, name)
+    setattr(module, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+    try:
+        yield calls
+    finally:
+        setattr(module, name, original)
 
 
 def causal_work(order: np.ndarray, shards: int) -> np.ndarray:
