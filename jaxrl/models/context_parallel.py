@@ -1,5 +1,6 @@
 """Context parallelism over the mesh axes of the "length" logical axis, Ulysses style
-(docs/models.md#context-parallelism).
+(docs/models.md#context-parallelism); the plan of ring attention's mode too (`jaxrl.models.ring` runs it:
+softmax layers pass keys and values around the shards, the other token mixers run Ulysses here).
 
 In the full forward, activations are sharded over those axes along T (the sequence shards, `s` of
 them). A token mixer that needs the whole sequence (softmax attention, the linear-attention kernels)
