@@ -72,10 +72,11 @@ def test_ring_attention_equals_one_device(mesh_name):
         assert_close(np.asarray(have)[:, in_row_order], expected)
 
 
-# Small to compile fast: one softmax layer; a lightning layer (its state runs along the row, so it fails
+# Small to compile fast: one softmax layer of 4 query heads on 2 key/value heads, fewer than the 8 sequence
+# shards (Ulysses would repeat and pad heads); a lightning layer (its state runs along the row, so it fails
 # unless Ulysses puts the columns back in row order) with a MoE block (its routes come back through the
 # layout move) before a softmax one. Gated DeltaNet runs the same Ulysses path (test_context_parallel).
-MODELS = {"softmax": DENSE.replace(num_layers=1, layer_types=("full_attention",), mlp_types=("dense",)),
+MODELS = {"softmax": DENSE.replace(num_layers=1, num_heads=4, layer_types=("full_attention",), mlp_types=("dense",)),
           "hybrid": HYBRID.replace(num_layers=2, layer_types=("lightning_attention", "full_attention"),
                                    mlp_types=("moe", "dense"))}
 
