@@ -154,7 +154,8 @@ def step_shapes(config: TrainConfig, mesh) -> dict[str, int]:
     if sequences % (u.mini_batches * u.micro_batches):
         raise InputError(f"rollout.prompts_per_step x group_size = {sequences} sequences do not split into "
                          f"update.mini_batches x micro_batches = {u.mini_batches} x {u.micro_batches}")
-    return {"length": sequence_row_length(config.data.max_prompt_tokens + r.max_new_tokens - 1, mesh),
+    return {"length": sequence_row_length(config.data.max_prompt_tokens + r.max_new_tokens - 1, mesh,
+                                          config.model.row_chunks()),
             "sequences": sequences, "update_rows": sequences // u.mini_batches,
             "score_rows": sequences // (u.mini_batches * u.micro_batches),
             "max_batch": sampler_batch(config)}

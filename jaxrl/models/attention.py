@@ -113,7 +113,7 @@ def _one_query_attention(q, k, v, mask, *, scale: float, dtype) -> jax.Array:
 # ---- chunked (FlashAttention-2 style) -----------------------------------------------------------------
 
 
-def _block_size(length: int, block: int) -> int:
+def balanced_block(length: int, block: int) -> int:
     """Balanced blocks of at most `block`: ceil(length / ceil(length / block)), rounded up to a multiple of 8
     when >= 8 and that stays <= block, so the internal padding is small (length 700, block 512: 2 x 352,
     not 1024 rows; a one-token decode step stays one row)."""
@@ -164,9 +164,9 @@ def _block_scores(qi, kj, qs, ks, qseg, kseg, scale):
     return jnp.where(mask, s, -jnp.inf), mask
 
 
-def _flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype):
+def flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype):
     """Blocked inputs (q [nq, B, bq, K, G, D], k/v [nk, B, bk, K, D], slots/segments [n, B, b]) ->
-    (out [nq, B, bq, K, G, D] f32, lse [nq, B, K, G, bq] f32: log sum exp of the visible scores, 0 on
+    (out [nq, B, bq, K, G, D] f32, lse [nq, B, K, G, bq] f32: log sum exp of the visible scores, -inf on
     rows that see nothing). Online softmax over the key blocks a query block can see."""
     visible, (k_first, k_stop), _ = _block_visibility(q_slot, q_seg, kv_slot, kv_seg)
     _, batch, bq, heads, groups, dim = q.shape
@@ -194,7 +194,7 @@ def _flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype):
         seen = total > 0
         total = jnp.where(seen, total, 1.0)
         out = jnp.where(seen[..., None], acc / total[..., None], 0.0)
-        lse = jnp.where(seen, m + jnp.log(total), 0.0)
+        lse = jnp.where(seen, m + jnp.log(total), -jnp.inf)
         return out.transpose(0, 3, 1, 2, 4), lse
 
     return jax.lax.map(query_block, (q, q_slot, q_seg, visible, k_first, k_stop))
@@ -202,20 +202,23 @@ def _flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _flash(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype):
-    return _flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype)[0]
+    return flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype)[0]
 
 
 def _flash_fwd(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype):
-    out, lse = _flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype)
+    out, lse = flash_forward(q, k, v, q_slot, kv_slot, q_seg, kv_seg, scale, dtype)
     return out, (q, k, v, q_slot, kv_slot, q_seg, kv_seg, out, lse)
 
 
-def _flash_bwd(scale, dtype, residuals, d_out):
-    """Recomputes each visible block's probabilities ``p = exp(s - lse)``; with ``delta = rowsum(dO * O)``:
+def flash_gradients(q, k, v, q_slot, kv_slot, q_seg, kv_seg, out, lse, d_out, scale, dtype):
+    """(dQ, dK, dV) float32 of blocked attention (shapes as `flash_forward`) given the output `out` and
+    logsumexp `lse` of the queries over all their keys, which may be more than `k` holds (ring attention
+    passes one block of keys at a time with the global `out` and `lse`).
+
+    Recomputes each visible block's probabilities ``p = exp(s - lse)``; with ``delta = rowsum(dO * O)``:
     ``dV += p^T dO``, ``dP = dO V^T``, ``dS = p (dP - delta)``, ``dQ += scale dS K``, ``dK += scale dS^T Q``.
     Key blocks outside (their dK, dV accumulate in float32 and are written once), the query blocks
     that see each key block inside; dQ [nq, B, bq, K, G, D] float32 is carried through."""
-    q, k, v, q_slot, kv_slot, q_seg, kv_seg, out, lse = residuals
     visible, _, (q_first, q_stop) = _block_visibility(q_slot, q_seg, kv_slot, kv_seg)
     d_out = d_out.astype(F32)
     delta = jnp.sum(d_out * out, axis=-1).transpose(0, 1, 3, 4, 2)  # [nq, B, K, G, bq]
@@ -246,11 +249,17 @@ def _flash_bwd(scale, dtype, residuals, d_out):
 
         init = (d_q, jnp.zeros(kj.shape, F32), jnp.zeros(vj.shape, F32))
         d_q, d_k, d_v = jax.lax.fori_loop(first, stop, step, init)
-        return d_q, (d_k.astype(k.dtype), d_v.astype(v.dtype))
+        return d_q, (d_k, d_v)
 
     xs = (k, v, kv_slot, kv_seg, visible.T, q_first, q_stop)
     d_q, (d_k, d_v) = jax.lax.scan(key_block, jnp.zeros(q.shape, F32), xs)
-    return d_q.astype(q.dtype), d_k, d_v, None, None, None, None
+    return d_q, d_k, d_v
+
+
+def _flash_bwd(scale, dtype, residuals, d_out):
+    d_q, d_k, d_v = flash_gradients(*residuals, d_out, scale, dtype)
+    q, k, v = residuals[:3]
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -273,22 +282,36 @@ def chunked_attention(q, k, v, q_slot, kv_slot, q_segment_ids, kv_segment_ids, *
     block in the backward, so activation memory is O(T (D + block)) per head, never O(T S).
     Differentiable with respect to q, k and v (reverse mode only).
     """
-    batch, length, heads, groups, dim = q.shape
-    keys = k.shape[1]
-    bq, bk = _block_size(length, block_q), _block_size(keys, block_k)
-    pad_q, pad_k = -length % bq, -keys % bk
+    length = q.shape[1]
+    bq, bk = balanced_block(length, block_q), balanced_block(k.shape[1], block_k)
+    queries = blocked_queries(q, q_slot, q_segment_ids, bq)
+    keys = blocked_keys(k, v, kv_slot, kv_segment_ids, bk)
+    out = _flash(queries[0], *keys[:2], queries[1], keys[2], queries[2], keys[3], float(scale), dtype)
+    return unblocked(out, length)
 
-    def blocked(x, pad, block, fill):  # [B, L, ...] -> [L / block, B, block, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        x = x.reshape(x.shape[0], -1, block, *x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
 
-    as_int = functools.partial(jnp.asarray, dtype=jnp.int32)
-    out = _flash(blocked(q, pad_q, bq, 0), blocked(k, pad_k, bk, 0), blocked(v, pad_k, bk, 0),
-                 blocked(as_int(q_slot), pad_q, bq, _Q_PAD_SLOT), blocked(as_int(kv_slot), pad_k, bk, _KV_PAD_SLOT),
-                 blocked(as_int(q_segment_ids), pad_q, bq, 0), blocked(as_int(kv_segment_ids), pad_k, bk, 0),
-                 float(scale), dtype)
-    return jnp.moveaxis(out, 0, 1).reshape(batch, -1, heads, groups, dim)[:, :length]
+def _blocked(x, block: int, fill) -> jax.Array:
+    """[B, L, ...] -> [ceil(L / block), B, block, ...], the end padded with `fill`."""
+    x = jnp.pad(x, [(0, 0), (0, -x.shape[1] % block)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
+
+
+def blocked_queries(q, q_slot, q_segment_ids, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, T, ...], slots and segment ids [B, T] -> the `flash_forward` layout, padded queries seeing no key."""
+    return (_blocked(q, block, 0), _blocked(jnp.asarray(q_slot, jnp.int32), block, _Q_PAD_SLOT),
+            _blocked(jnp.asarray(q_segment_ids, jnp.int32), block, 0))
+
+
+def blocked_keys(k, v, kv_slot, kv_segment_ids, block: int) -> tuple[jax.Array, ...]:
+    """k/v [B, S, ...], slots and segment ids [B, S] -> the `flash_forward` layout, padded keys seen by none."""
+    return (_blocked(k, block, 0), _blocked(v, block, 0),
+            _blocked(jnp.asarray(kv_slot, jnp.int32), block, _KV_PAD_SLOT),
+            _blocked(jnp.asarray(kv_segment_ids, jnp.int32), block, 0))
+
+
+def unblocked(out: jax.Array, length: int) -> jax.Array:
+    """[n, B, block, ...] -> [B, length, ...]: the inverse of the blocking, padding dropped."""
+    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], -1, *out.shape[3:])[:, :length]
 
 
 # ---- the switch -----------------------------------------------------------------------------------------

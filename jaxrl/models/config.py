@@ -25,8 +25,9 @@ MLP_KINDS = ("dense", "moe")
 # `jaxrl.models.attention.ATTENTION_IMPLS` maps every other name to its function.
 ATTENTION_IMPL_NAMES = ("auto", "xla", "chunked", "splash", "cudnn")
 # Context parallelism of the full forward (`ModelConfig.context_parallel`): "auto" = Ulysses when the current
-# mesh shards "length" (jaxrl.models.context_parallel), "none" = never, "ulysses" = always (error without).
-CONTEXT_PARALLEL_NAMES = ("auto", "none", "ulysses")
+# mesh shards "length" (jaxrl.models.context_parallel), "none" = never, "ulysses" = always (error without),
+# "ring" = ring attention for the softmax layers (jaxrl.models.ring; error without such a mesh).
+CONTEXT_PARALLEL_NAMES = ("auto", "none", "ulysses", "ring")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # transformers `architectures` / `model_type` of the families this package reads and writes.
@@ -91,7 +92,8 @@ class ModelConfig:
     `REMAT_POLICY_NAMES`. `attention_impl` (one of `ATTENTION_IMPL_NAMES`) is how softmax attention
     runs and `attention_block_size` the query/key block of the chunked form
     (docs/models.md#attention-implementations); `context_parallel` (one of `CONTEXT_PARALLEL_NAMES`) whether
-    the full forward's token mixers split the sequence Ulysses style (docs/models.md#context-parallelism).
+    the full forward's token mixers split the sequence, Ulysses style or with ring attention for the softmax
+    layers (docs/models.md#context-parallelism).
     `scan_layers` runs the full forward's blocks as one `lax.scan` (one compiled block body; needs
     every layer of one kind; docs/models.md#scanned-layers).
     Like `dtype` and `remat` they are runtime choices, not HF fields.

@@ -1,5 +1,6 @@
 """Context parallelism over the mesh axes of the "length" logical axis, Ulysses style
-(docs/models.md#context-parallelism).
+(docs/models.md#context-parallelism); the plan of ring attention's mode too (`jaxrl.models.ring` runs it:
+softmax layers pass keys and values around the shards, the other token mixers run Ulysses here).
 
 In the full forward, activations are sharded over those axes along T (the sequence shards, `s` of
 them). A token mixer that needs the whole sequence (softmax attention, the linear-attention kernels)
@@ -28,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxrl.models.attention import attention
@@ -39,40 +41,73 @@ TOKEN_AXES = ("batch", "length", "act_heads")  # per-token arrays [B, T, H, ...]
 
 class Plan(NamedTuple):
     """How one full forward is split: `sequence_axes` shard T (`shards` ways in all), `head_axes`
-    shard the heads; `head_shards` = heads shards x `shards`, what the head axis must be a multiple of."""
+    shard the heads; `head_shards` = heads shards x `shards`, what the head axis must be a multiple of.
+    `ring`: softmax layers run ring attention (`jaxrl.models.ring`) and the row is in its zig-zag
+    layout (`column_positions`); the other token mixers run Ulysses on it."""
 
     sequence_axes: tuple[str, ...]
     head_axes: tuple[str, ...]
     shards: int
     head_shards: int
+    ring: bool = False
+
+
+# How many chunks of a row each sequence shard holds, per mode: ring's zig-zag split gives each two.
+CHUNKS_PER_SHARD = {"ring": 2}
+
+
+def chunks_per_shard(mode: str) -> int:
+    """The rows of `ModelConfig.context_parallel = mode` must be a multiple of this times the sequence shards."""
+    return CHUNKS_PER_SHARD.get(mode, 1)
 
 
 def plan(mode: str, batch: int, length: int) -> Plan | None:
-    """The Ulysses plan for a `[batch, length]` full forward under the current mesh (`jax.set_mesh`), or
-    None for the plain path. `mode` is `ModelConfig.context_parallel`: "none" -> None; "auto" -> a plan
-    when the mesh shards "length" more than one way (and evenly: else the plain path, where the
-    partitioner handles it); "ulysses" -> a plan, or a ValueError when the mesh cannot shard T."""
+    """The context-parallel plan for a `[batch, length]` full forward under the current mesh (`jax.set_mesh`),
+    or None for the plain path. `mode` is `ModelConfig.context_parallel`: "none" -> None; "auto" -> a
+    Ulysses plan when the mesh shards "length" more than one way (and evenly: else the plain path, where
+    the partitioner handles it); "ulysses" -> a plan, or a ValueError when the mesh cannot shard T;
+    "ring" -> a ring plan, or a ValueError unless the mesh shards T more than one way into
+    `chunks_per_shard("ring")` chunks per shard."""
     if mode not in CONTEXT_PARALLEL_NAMES:
         raise ValueError(f"ModelConfig.context_parallel = {mode!r}; choose one of {list(CONTEXT_PARALLEL_NAMES)}")
     if mode == "none":
         return None
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        if mode == "ulysses":
-            raise ValueError("ModelConfig.context_parallel = 'ulysses' needs a mesh (jax.set_mesh) whose "
+        if mode != "auto":
+            raise ValueError(f"ModelConfig.context_parallel = {mode!r} needs a mesh (jax.set_mesh) whose "
                              "'length' axes shard the sequence; use 'auto' or 'none' without one")
         return None
+    chunks = chunks_per_shard(mode)
     # mesh.size is a multiple of every product of mesh axes, so the heads entry lists every axis it may use
-    spec = logical_to_spec(TOKEN_AXES, (batch, length, mesh.size), mesh)
+    spec = logical_to_spec(TOKEN_AXES, (batch, length // chunks, mesh.size), mesh)
     sequence_axes, head_axes = spec_axes(spec[1]), spec_axes(spec[2])
     shards = math.prod(mesh.shape[a] for a in sequence_axes)
     wanted = spec_axes(logical_to_spec(("length",), mesh=mesh)[0])
-    if mode == "ulysses" and (not wanted or sequence_axes != wanted):
-        raise ValueError(f"ModelConfig.context_parallel = 'ulysses': the mesh axes {wanted} of logical axis "
-                         f"'length' must divide the sequence length {length}; pad the rows or change the mesh")
+    if mode != "auto" and (not wanted or sequence_axes != wanted or length % chunks):
+        what = "the sequence length" if chunks == 1 else f"{chunks} chunks of the sequence length"
+        raise ValueError(f"ModelConfig.context_parallel = {mode!r}: the mesh axes {wanted} of logical axis "
+                         f"'length' must divide {what} {length}; pad the rows or change the mesh")
+    if mode == "ring" and shards <= 1:
+        raise ValueError("ModelConfig.context_parallel = 'ring' passes keys and values around the 'sequence' "
+                         f"shards and needs mesh.sequence > 1 (the mesh axes {wanted} are of size {shards})")
     if mode == "auto" and (shards <= 1 or sequence_axes != wanted):
         return None
-    return Plan(sequence_axes, head_axes, shards, shards * math.prod(mesh.shape[a] for a in head_axes))
+    return Plan(sequence_axes, head_axes, shards, shards * math.prod(mesh.shape[a] for a in head_axes),
+                ring=mode == "ring")
+
+
+def column_positions(plan: Plan | None, length: int) -> np.ndarray:
+    """[length] int32: the position in the row of each column of the full forward's layout. Ring's
+    zig-zag split (Brandon et al. 2023, https://arxiv.org/abs/2311.09431, and zig-zag ring attention):
+    the row is cut into 2s chunks of length / 2s and shard j (of s) holds chunks j and 2s-1-j, so that
+    every shard gets the same causal work; otherwise the row in order."""
+    if plan is None or not plan.ring:
+        return np.arange(length, dtype=np.int32)
+    shards = plan.shards
+    chunk = length // (2 * shards)
+    chunks = np.stack([np.arange(shards), 2 * shards - 1 - np.arange(shards)], axis=1).reshape(-1)
+    return (chunks[:, None] * chunk + np.arange(chunk)).reshape(-1).astype(np.int32)
 
 
 def _pad_axis(x: jax.Array, pad: int, axis: int) -> jax.Array:
@@ -113,9 +148,15 @@ def ulysses(fn: Callable, per_token: Sequence[jax.Array], per_row: Sequence[jax.
     head_order = plan.head_axes + plan.sequence_axes  # the heads shard, then the sequence shard
     axis = plan.sequence_axes
 
+    # ring's zig-zag columns go back into row order for the kernels, which run along the sequence
+    order = column_positions(plan, length)
+    in_row_order = np.argsort(order) if plan.ring else None
+
     def local(tokens, rows, head_values):
         tokens = tuple(jax.lax.all_to_all(x, axis, 2, 1, tiled=True) for x in tokens)
         rows = tuple(jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in rows)
+        if plan.ring:
+            tokens, rows = (tuple(jnp.take(x, in_row_order, axis=1) for x in xs) for xs in (tokens, rows))
         args = (tokens, rows, tuple(head_values))
         if pad:
             padding_only = jax.lax.axis_index(head_order) * share >= heads
@@ -123,6 +164,8 @@ def ulysses(fn: Callable, per_token: Sequence[jax.Array], per_row: Sequence[jax.
             outs = jax.lax.cond(padding_only, lambda *_: zeros, fn, *args)
         else:
             outs = fn(*args)
+        if plan.ring:
+            outs = tuple(jnp.take(x, order, axis=1) for x in outs)
         return tuple(jax.lax.all_to_all(x, axis, 1, 2, tiled=True) for x in outs)
 
     outs = jax.shard_map(

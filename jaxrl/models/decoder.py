@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxrl.models import context_parallel, ring
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import F32, MLP, Attention, RMSNorm, make_param, write_rows
 from jaxrl.models.moe import MoE
@@ -190,14 +191,36 @@ class Decoder(nnx.Module):
         causally, so packed sequences take distinct ids; None = one sequence per row).
         routed_experts: [B, T, num_moe_layers, k] int, the experts each MoE layer uses at each
         position instead of its own top-k (rollout routing replay, ``MoE``; -1 where none were
-        recorded), or None."""
-        c = self.config
+        recorded), or None.
+
+        With ring attention (``context_parallel: ring``, docs/models.md#context-parallelism) the full
+        forward runs on the row's zig-zag layout: the [B, T, ...] inputs move into it here and the
+        per-token outputs move back, so callers see the row in order."""
         if input_ids.ndim != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids {input_ids.shape} and positions {positions.shape} must both be [B, T]")
         if segment_ids is None:
             segment_ids = jnp.ones_like(input_ids, dtype=jnp.int32)
         elif segment_ids.shape != input_ids.shape:
             raise ValueError(f"segment_ids {segment_ids.shape} must match input_ids {input_ids.shape}")
+        plan = None if cache is not None else context_parallel.plan(self.config.context_parallel, *input_ids.shape)
+        if plan is None or not plan.ring:
+            return self._forward(input_ids, positions, segment_ids, cache, capture, routed_experts)
+
+        def to_ring(x):
+            return None if x is None else ring.to_ring_layout(x, plan)
+
+        def back(x):
+            return None if x is None else ring.from_ring_layout(x, plan)
+
+        out = self._forward(to_ring(input_ids), to_ring(positions), to_ring(segment_ids), None, capture,
+                            to_ring(routed_experts))
+        return out._replace(hidden=back(out.hidden), routed_experts=back(out.routed_experts),
+                            router_experts=back(out.router_experts),
+                            activations=None if out.activations is None else jax.tree.map(back, out.activations))
+
+    def _forward(self, input_ids, positions, segment_ids, cache, capture, routed_experts) -> DecoderOutput:
+        """`__call__` on the layout the layers run (row order, or ring's zig-zag columns)."""
+        c = self.config
         segment_ids = segment_ids.astype(jnp.int32)
         moe_layers = [i for i, kind in enumerate(c.mlp_types) if kind == "moe"]
         want = (*input_ids.shape, len(moe_layers), c.num_experts_per_tok)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl.models import context_parallel
+from jaxrl.models import context_parallel, ring
 from jaxrl.models.attention import attention
 from jaxrl.models.config import ModelConfig
 from jaxrl.models.rope import rotary
@@ -150,7 +150,8 @@ class Attention(nnx.Module):
         k = rotary(k, positions, c.rope_theta, self.rotary_dim, c.rope_scaling).astype(dtype)
         q = constrain(q, ("batch", "length", "act_heads", None))
         batch, length = segment_ids.shape
-        q_slot = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        cp_plan = None if cache is not None else context_parallel.plan(c.context_parallel, batch, length)
+        q_slot = jnp.broadcast_to(jnp.asarray(context_parallel.column_positions(cp_plan, length)), (batch, length))
         if cache is None:
             kv_slot, kv_segment_ids = q_slot, segment_ids
         else:
@@ -160,9 +161,9 @@ class Attention(nnx.Module):
             kv_slot = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), kv_segment_ids.shape)
         groups = c.num_heads // c.num_kv_heads
         q = q.reshape(batch, length, c.num_kv_heads, groups, c.head_dim)
-        cp_plan = None if cache is not None else context_parallel.plan(c.context_parallel, batch, length)
         run = (attention if cp_plan is None
-               else functools.partial(context_parallel.ulysses_attention, plan=cp_plan))
+               else functools.partial(ring.ring_attention if cp_plan.ring else context_parallel.ulysses_attention,
+                                      plan=cp_plan))
         out = run(q, k, v, q_slot, kv_slot, segment_ids, kv_segment_ids, impl=c.attention_impl,
                   scale=c.head_dim ** -0.5, dtype=dtype, block_size=c.attention_block_size,
                   **({} if cache is None else {"full_forward": False}))

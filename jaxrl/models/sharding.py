@@ -208,11 +208,11 @@ def batch_devices(mesh: jax.sharding.Mesh) -> int:
     return _logical_devices(mesh, "batch")
 
 
-def sequence_row_length(length: int, mesh: jax.sharding.Mesh) -> int:
-    """``length`` rounded up to a multiple of the ways the "length" logical axis splits a row on ``mesh``,
-    so that context parallelism (docs/models.md#context-parallelism) can split the trainers' rows evenly
-    (the extra columns are padding, segment id 0)."""
-    shards = _logical_devices(mesh, "length")
+def sequence_row_length(length: int, mesh: jax.sharding.Mesh, chunks: int = 1) -> int:
+    """``length`` rounded up to a multiple of ``chunks`` times the ways the "length" logical axis splits a row
+    on ``mesh``, so that context parallelism (docs/models.md#context-parallelism) can split the trainers'
+    rows evenly, into ``chunks`` per shard (2 for ring attention); the extra columns are padding, segment id 0."""
+    shards = _logical_devices(mesh, "length") * chunks
     return -(-length // shards) * shards
 
 

@@ -22,6 +22,7 @@ from jaxrl.evaluation.self_verify import SelfVerifyConfig
 from jaxrl.losses.advantages import AdvantageConfig
 from jaxrl.losses.objective import ObjectiveConfig
 from jaxrl.models.config import ModelConfig
+from jaxrl.models.context_parallel import chunks_per_shard
 from jaxrl.models.hf import read_hf_config
 from jaxrl.models.sharding import MeshConfig
 from jaxrl.reward import RewardConfig
@@ -48,7 +49,7 @@ class PolicyConfig:
     remat: Literal["none", "full", "save_dots", "save_attention_out"] | None = None
     attention_impl: Literal["auto", "xla", "chunked", "splash", "cudnn"] | None = None
     attention_block_size: int | None = None
-    context_parallel: Literal["auto", "none", "ulysses"] | None = None
+    context_parallel: Literal["auto", "none", "ulysses", "ring"] | None = None
     scan_layers: bool | None = None
 
     _OVERRIDES = ("dtype", "param_dtype", "remat", "attention_impl", "attention_block_size", "context_parallel",
@@ -60,6 +61,12 @@ class PolicyConfig:
 
     def overrides(self) -> dict[str, str]:
         return {k: getattr(self, k) for k in self._OVERRIDES if getattr(self, k) is not None}
+
+    def row_chunks(self) -> int:
+        """How many chunks of a row each ``sequence`` shard holds (2 with ``context_parallel: ring``, else 1):
+        the trainers' rows are a multiple of this times the shards (``sharding.sequence_row_length``)."""
+        mode = self.context_parallel or (self.architecture.context_parallel if self.architecture else "auto")
+        return chunks_per_shard(mode)
 
     def max_positions(self) -> tuple[str, int] | None:
         """The model's ``max_position_embeddings`` as :meth:`size` gives it."""

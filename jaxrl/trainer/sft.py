@@ -115,7 +115,7 @@ class SFTTrainer:
         t0 = time.perf_counter()
         examples = next(self.iterator)
         stage = self.config.sft.stages[stage_index]
-        length = sequence_row_length(stage.max_length - 1, self.mesh)
+        length = sequence_row_length(stage.max_length - 1, self.mesh, self.config.model.row_chunks())
         pairs = StepBatch.pack([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
                                self.tokenizer.pad_token_id, model_masks=[e.response_mask for e in examples])
         sft = self.config.sft

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl.models import ModelConfig, load_hf_checkpoint
-from jaxrl.models.attention import (ATTENTION_IMPLS, FULL_FORWARD_ONLY, _block_size, _block_visibility, attention,
+from jaxrl.models.attention import (ATTENTION_IMPLS, FULL_FORWARD_ONLY, _block_visibility, balanced_block, attention,
                                     chunked_attention, resolve_attention_impl, xla_attention)
 from jaxrl.models.splash import splash_attention
 from jaxrl.models.config import ATTENTION_IMPL_NAMES
@@ -184,7 +184,7 @@ def test_block_sizes_are_balanced_and_bounded():
     """(length, block) -> block used: at most `block`, little padding, one row for a decode step."""
     for (length, block), used in {(700, 512): 352, (4096, 512): 512, (37, 12): 10, (37, 5): 5, (1, 512): 1,
                                   (7, 512): 7}.items():
-        assert _block_size(length, block) == used
+        assert balanced_block(length, block) == used
 
 
 def test_chunked_bfloat16_close_to_xla():

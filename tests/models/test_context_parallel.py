@@ -131,8 +131,9 @@ def test_switch():
         cp.plan("ulysses", 2, 32)
     assert [cp.kv_repeat(2, 4, m) for m in (1, 2, 4, 8, 16)] == [1, 1, 2, 4, 4]
 
-    with pytest.raises(ValueError, match=r"context_parallel = 'ring'; choose one of \['auto', 'none', 'ulysses'\]"):
-        DENSE.replace(context_parallel="ring")
+    with pytest.raises(ValueError, match=r"context_parallel = 'striped'; choose one of \['auto', 'none', 'ulysses', "
+                                         r"'ring'\]"):
+        DENSE.replace(context_parallel="striped")
     exported = DENSE.replace(context_parallel="none").to_hf()
     assert not any("context" in key or "parallel" in key for key in exported)
     assert ModelConfig.from_hf(exported, context_parallel="none").context_parallel == "none"

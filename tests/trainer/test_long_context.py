@@ -156,33 +156,41 @@ def test_share_prefix_is_refused_for_a_model_with_linear_attention(files, tmp_pa
 
 
 def test_context_parallel_reaches_the_learner_and_changes_no_update(files, tmp_path, monkeypatch):
-    """``mesh: {data: 2, sequence: 4}`` with ``model.context_parallel=ulysses`` against ``none`` (the
-    partitioner's path) on the same mesh, so that both runs sample the same rollouts: the recompute
-    and the update of a hybrid model are the same, and only the Ulysses run splits the sequence
-    (its all_to_all path is traced; the rows, 11 tokens, are padded to 12 so that 4 shards divide them).
-    tests/models/test_context_parallel.py proves the forward and gradients equal one device's."""
-    from jaxrl.models import context_parallel
+    """``mesh: {data: 2, sequence: 4}`` with ``model.context_parallel`` ``ulysses`` and ``ring`` against
+    ``none`` (the partitioner's path) on the same mesh, so that every run samples the same rollouts: the
+    recompute and the update of a hybrid model are the same, and only the Ulysses and ring runs split
+    the sequence (their paths are traced; the rows, 11 tokens, are padded to 12 so that 4 shards divide
+    them, to 16 for ring's two chunks per shard). tests/models/test_context_parallel.py and
+    tests/models/test_ring_attention.py prove the forward and gradients equal one device's."""
+    from jaxrl.models import context_parallel, ring
     from jaxrl.trainer.rl import RLTrainer
 
-    traced = []
-
-    def check(trainer):
-        assert trainer.stage("pack").length == 12  # 11 columns, padded to a multiple of the 4 sequence shards
-
-    original = context_parallel.ulysses
-    monkeypatch.setattr(context_parallel, "ulysses", lambda *a, **k: traced.append(1) or original(*a, **k))
+    traced = {"ulysses": [], "ring": []}
+    lengths = {"none": 12, "ulysses": 12, "ring": 16}
+    for module, name in ((context_parallel, "ulysses"), (ring, "ring_attention")):
+        original = getattr(module, name)
+        calls = traced[name.split("_")[0]]
+        monkeypatch.setattr(module, name, lambda *a, original=original, calls=calls, **k: calls.append(1) or
+                            original(*a, **k))
     changes, rows = [], []
-    for mode in ("none", "ulysses"):
-        traced.clear()
+    for mode in ("none", "ulysses", "ring"):
+        for calls in traced.values():
+            calls.clear()
         config = make_config(files, tmp_path / mode, steps=1, optimizer=GRADIENT_STEP,
                              mesh={"data": 2, "sequence": 4}, model={"architecture": HYBRID, "context_parallel": mode})
+
+        def check(trainer, mode=mode):
+            assert trainer.stage("pack").length == lengths[mode]
+
         change, row = _train(RLTrainer, config, check)
         changes.append(change)
         rows.append(row)
-        assert bool(traced) == (mode == "ulysses")
-    _assert_same_update(*changes)
-    assert rows[1]["mismatch/k3"] == pytest.approx(rows[0]["mismatch/k3"], abs=1e-6)
-    assert rows[1]["update/loss"] == pytest.approx(rows[0]["update/loss"], abs=1e-5)
+        assert bool(traced["ulysses"]) == (mode != "none")  # ring runs the linear layers on Ulysses
+        assert bool(traced["ring"]) == (mode == "ring")
+    for change, row in zip(changes[1:], rows[1:], strict=True):
+        _assert_same_update(changes[0], change)
+        assert row["mismatch/k3"] == pytest.approx(rows[0]["mismatch/k3"], abs=1e-6)
+        assert row["update/loss"] == pytest.approx(rows[0]["update/loss"], abs=1e-5)
 
 
 def test_sft_curriculum_reaches_a_32k_stage_context_parallel(files, tmp_path):

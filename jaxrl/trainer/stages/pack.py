@@ -2,8 +2,9 @@
 
 Rows ``prompt + completion``, next-token aligned and right-padded to one length for the whole
 run: the longest prompt plus ``rollout.max_new_tokens`` (a conversation: its environment's token
-limit), rounded up so the ``sequence`` mesh axis divides it. The loss's ``mask`` covers the
-model's tokens of the valid samples; the engine's routes (MoE) travel with the rows. No metrics.
+limit), rounded up so the ``sequence`` mesh axis divides it (into two chunks per shard for ring
+attention). The loss's ``mask`` covers the model's tokens of the valid samples; the engine's routes
+(MoE) travel with the rows. No metrics.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class PackStage(Stage):
         longest = config.data.max_prompt_tokens + config.rollout.max_new_tokens
         if config.env is not None:
             longest = max(task.limits.max_total_tokens for task in config.env.tasks.values())
-        self.length = sequence_row_length(longest - 1, context.mesh)
+        self.length = sequence_row_length(longest - 1, context.mesh, config.model.row_chunks())
         self.pad_id = context.tokenizer.pad_token_id
         self.routing_replay = config.update.routing_replay
 
