@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import string
@@ -57,6 +58,16 @@ CALL_CLOSE = '"}}</tool_call>'
 RESPONSE_OPEN, RESPONSE_CLOSE = "\n<tool_response>\n", "\n</tool_response>\n"  # ObservationEncoder's wrapping
 TOOLS_WORDS = (CALL_OPEN, CALL_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE, "\\boxed{")
 TOOLS_TRAIN_PROMPTS = 16384
+
+
+MIXTURE_DEMO_DIR = "runs/demo_mixture"
+# The mixture's prompts: "a+b=" (math), "a+b>" (code), "word*n=" (instruction following); a code
+# block's fixed markup is one token each side of the expression, as \boxed{ is for math.
+CODE_OPEN, CODE_CLOSE = "```python\nprint(", ")\n```"
+MIXTURE_ALPHABET = ALPHABET + ">*. " + string.ascii_lowercase
+MIXTURE_WORDS = (*WORDS, CODE_OPEN, CODE_CLOSE)
+MIXTURE_TASKS = ("math", "code", "instruction_following")
+MAX_REPEATS = 4
 
 
 def teacher_answer(total: int, rng: random.Random, accuracy: float) -> int:
@@ -93,11 +104,15 @@ def write_demo_files(root: str = DEMO_DIR, seed: int = 0, max_operand: int = MAX
         with open(paths[name], "w") as f:
             for a, b in chunk:
                 for _ in range(copies):
-                    worked = teacher_answer(a + b, rng, teacher_accuracy)
-                    row = {"prompt": f"{a}+{b}=", "response": f"\\boxed{{{worked}}}", "answer": str(a + b),
-                           "task": "math"}
-                    f.write(json.dumps(row) + "\n")
+                    f.write(json.dumps(addition_row(a, b, rng, teacher_accuracy)) + "\n")
     return paths
+
+
+def addition_row(a: int, b: int, rng: random.Random, accuracy: float) -> dict:
+    """A ``math`` row: the prompt ``a+b=``, the reference ``answer`` and the weak teacher's
+    ``response`` ``\\boxed{...}`` (``teacher_answer``)."""
+    worked = teacher_answer(a + b, rng, accuracy)
+    return {"prompt": f"{a}+{b}=", "response": f"\\boxed{{{worked}}}", "answer": str(a + b), "task": "math"}
 
 
 def teacher_expression(a: int, b: int, rng: random.Random, accuracy: float) -> str:
@@ -160,6 +175,64 @@ def write_tools_demo_files(root: str = TOOLS_DEMO_DIR, seed: int = 0, train_prom
     return paths
 
 
+def code_row(a: int, b: int, rng: random.Random, accuracy: float) -> dict:
+    """A ``code`` row: the prompt ``a+b>`` asks for a program printing the sum, checked by one
+    stdin/stdout case (no input, the sum on stdout); the weak teacher's program ``print(a+b')``
+    copies ``b`` right with probability ``accuracy``, else off by 1 or 10 (``teacher_answer``)."""
+    program = f"{CODE_OPEN}{a}+{teacher_answer(b, rng, accuracy)}{CODE_CLOSE}"
+    return {"prompt": f"{a}+{b}>", "response": program, "test_cases": [{"input": "", "output": str(a + b)}],
+            "task": "code"}
+
+
+def instructions_row(word: str, count: int, rng: random.Random, accuracy: float) -> dict:
+    """An ``instruction_following`` row: the prompt ``word*count=`` asks for ``word`` written
+    ``count`` times, as three of IFEval's instructions (the keyword at least ``count`` times, fewer
+    than ``count + 1`` words, ending with the word). The weak teacher follows them with probability
+    ``accuracy``; else, as often, it writes the word once too many or ends with a full stop, the
+    habits RL must unlearn on every prompt (held-out ones included)."""
+    roll = rng.random()
+    written = count + 1 if accuracy <= roll < (1 + accuracy) / 2 else count
+    response = " ".join([word] * written) + ("." if roll >= (1 + accuracy) / 2 else "")
+    return {"prompt": f"{word}*{count}=", "response": response, "task": "instruction_following",
+            "instruction_id_list": ["keywords:frequency", "length_constraints:number_words", "startend:end_checker"],
+            "kwargs": [{"keyword": word, "frequency": count, "relation": "at least"},
+                       {"num_words": count + 1, "relation": "less than"}, {"end_phrase": word}]}
+
+
+def write_mixture_demo_files(root: str = MIXTURE_DEMO_DIR, seed: int = 0, max_operand: int = MAX_OPERAND,
+                             heldout: int = HELDOUT, teacher_accuracy: float = TEACHER_ACCURACY) -> dict[str, str]:
+    """The three-task mixture's tokenizer and train/held-out JSONL files (Motif's math + code +
+    instruction following, in miniature); returns their paths. Each task has ``max_operand**2``
+    distinct prompts, ``heldout`` of them held out: ``addition_row``s and ``code_row``s over
+    ``0 <= a, b < max_operand``, ``instructions_row``s over random 3-letter words, each word written
+    1 to ``MAX_REPEATS`` times (a held-out prompt asks a count of a word that training rows ask other
+    counts of: the tiny model learns words from training rows; it does not learn to copy unseen ones).
+    Training prompts appear ``TEACHER_SAMPLES`` times with independent teacher responses; the
+    held-out rows alternate between the tasks, so any first ``eval.max_prompts`` are balanced."""
+    from jaxrl.data import make_char_tokenizer
+
+    paths = _paths(root)
+    make_char_tokenizer(paths["tokenizer"], MIXTURE_ALPHABET, words=MIXTURE_WORDS)
+    rng = random.Random(seed)
+    sums = [(a, b) for a in range(max_operand) for b in range(max_operand)]
+    words: set[str] = set()
+    while len(words) < math.ceil(len(sums) / MAX_REPEATS):
+        words.add("".join(rng.choice(string.ascii_lowercase) for _ in range(3)))
+    repeats = [(word, count) for word in sorted(words) for count in range(1, MAX_REPEATS + 1)][:len(sums)]
+    families = [(addition_row, list(sums)), (code_row, list(sums)), (instructions_row, repeats)]
+    for _, prompts in families:
+        rng.shuffle(prompts)
+    os.makedirs(os.path.dirname(paths["train"]), exist_ok=True)
+    with open(paths["heldout"], "w") as f:
+        for i in range(heldout):
+            f.writelines(json.dumps(make(*prompts[i], rng, teacher_accuracy)) + "\n" for make, prompts in families)
+    with open(paths["train"], "w") as f:
+        for make, prompts in families:
+            f.writelines(json.dumps(make(*prompt, rng, teacher_accuracy)) + "\n"
+                         for prompt in prompts[heldout:] for _ in range(TEACHER_SAMPLES))
+    return paths
+
+
 def _overrides(root: str, extra: list[str]) -> list[str]:
     """Points a demo config's data paths at ``root``."""
     return [f"data.tokenizer={root}/tokenizer", f"data.train_files=[{root}/data/train.jsonl]"] + extra
@@ -219,6 +292,21 @@ def tools_report(summary: dict) -> list[str]:
             f"per-turn mismatch |engine - learner logprob| on the model's tokens over {len(steps)} RL steps: {turns}"]
 
 
+def heldout_by_task(summary: dict, tasks=MIXTURE_TASKS) -> dict[str, tuple[float, float]]:
+    """Each task's held-out reward (``heldout/<task>/reward``) at the first and the last evaluation of
+    an RL run (``summary``: what ``run_rl`` returns)."""
+    from jaxrl.trainer.metrics import read_jsonl
+
+    rows = [r for r in read_jsonl(summary["metrics"]) if "heldout/reward" in r]
+    return {task: (rows[0][f"heldout/{task}/reward"], rows[-1][f"heldout/{task}/reward"]) for task in tasks}
+
+
+def mixture_report(summary: dict) -> list[str]:
+    """The mixture demo's own summary lines: each task's held-out reward before and after RL."""
+    return [f"{task}: before RL {begin:.3f} -> after RL {end:.3f}  (rise {end - begin:+.3f})"
+            for task, (begin, end) in heldout_by_task(summary).items()]
+
+
 @dataclasses.dataclass(frozen=True)
 class DemoTask:
     """One ``jaxrl demo --task``: its default folder, data writer, SFT and RL configs (in configs/),
@@ -238,19 +326,23 @@ TASKS = {
     "tools": DemoTask(TOOLS_DEMO_DIR, write_tools_demo_files, "demo_tools_sft.yaml", "demo_tools.yaml",
                       f"math checker, {HELDOUT} held-out prompts x 2 conversations with the calculator, temperature 1",
                       tools_report),
+    "mixture": DemoTask(MIXTURE_DEMO_DIR, write_mixture_demo_files, "motif_mixture_cpu_sft.yaml",
+                        "motif_mixture_cpu.yaml", f"{HELDOUT} held-out prompts per task x 2 samples, temperature 1, "
+                        "each task's reward; per task below", mixture_report),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxrl demo", description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="addition",
-                        help="addition: the main job; tools: multiplication with the calculator tool, multi-turn")
+                        help="addition: the main job; tools: multiplication with the calculator tool, multi-turn; "
+                             "mixture: Motif's three tasks (math, code, instruction following) in one RL run")
     parser.add_argument("--dir", help=f"where the demo writes data, checkpoints, logs, plots (default {DEMO_DIR}, "
-                                      f"{TOOLS_DEMO_DIR} with --task tools)")
+                                      f"{TOOLS_DEMO_DIR} with --task tools, {MIXTURE_DEMO_DIR} with --task mixture)")
     parser.add_argument("--sft", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="overrides for demo_sft.yaml (demo_tools_sft.yaml with --task tools)")
+                        help="overrides for the task's SFT config (demo_sft.yaml for addition)")
     parser.add_argument("--rl", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="overrides for demo.yaml (demo_tools.yaml with --task tools)")
+                        help="overrides for the task's RL config (demo.yaml for addition)")
     args = parser.parse_args(argv)
     task = TASKS[args.task]
     root = args.dir or task.directory
