@@ -17,17 +17,25 @@ run from the reward before learning (a mean of n draws of a 0/1 reward p has sta
   unseen sums (math's held-out rises measured 0.047-0.094, 1.9-4.9 standard errors, on four
   variants of this run; code's and instruction following's 0.23-0.50).
 
+Between the phases the SFT model goes through ``jaxrl filter`` with the RL config's per-task bands
+(Motif's math (0, 0.8], instruction following (0, 0.4]) on the held-out rows: every task is scored
+by its own reward and judged by its own band.
+
 A reward that ignores its task, a router that scores one task with another's reward, a flipped or
 detached gradient all leave some task flat or falling.
 """
 
+import json
 import math
+import os
 import time
 
 import numpy as np
 import pytest
 
-from jaxrl.demo import MIXTURE_TASKS, heldout_by_task, run_rl, run_sft, write_mixture_demo_files
+from jaxrl.cli import main
+from jaxrl.demo import CONFIG_DIR, MIXTURE_TASKS, heldout_by_task, mixture_report, run_rl, run_sft, \
+    write_mixture_demo_files
 from jaxrl.trainer.metrics import read_jsonl
 
 SFT_STEPS = 600
@@ -53,6 +61,7 @@ def test_each_task_of_the_mixture_learns_and_is_reported(tmp_path):
     start = time.perf_counter()
     run_sft(root, [f"sft.stages=[{{steps: {SFT_STEPS}, max_length: 32}}]", *quiet], "motif_mixture_cpu_sft.yaml")
     sft_done = time.perf_counter()
+    _filter_with_the_per_task_bands(root, str(tmp_path / "kept.jsonl"))
     summary = run_rl(root, [f"steps={RL_STEPS}", f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
                             f"eval.samples={EVAL_SAMPLES}", f"eval.max_prompts={3 * HELDOUT_PER_TASK}",
                             "eval.every=0", "checkpoint.directory=", *quiet], "motif_mixture_cpu.yaml")
@@ -73,3 +82,20 @@ def test_each_task_of_the_mixture_learns_and_is_reported(tmp_path):
         assert 0.05 < before < 0.9, f"{task}: SFT should teach the format and leave room to learn"
         assert late > early + TRAIN_RISE * train_chance, task
         assert after > before + HELDOUT_RISE * heldout_chance, task
+    assert [line.split(":")[0] for line in mixture_report(summary)] == list(MIXTURE_TASKS)  # jaxrl demo's lines
+
+
+def _filter_with_the_per_task_bands(root: str, output: str) -> None:
+    """``jaxrl filter configs/motif_mixture_cpu.yaml`` with the SFT model on the held-out rows: each
+    task's rows are kept exactly when their pass rate lies in that task's band of the config."""
+    heldout = f"{root}/data/heldout.jsonl"
+    assert main(["filter", os.path.join(CONFIG_DIR, "motif_mixture_cpu.yaml"), f"data.tokenizer={root}/tokenizer",
+                 f"model.hf_path={root}/sft/hf", f"filter.input_files=[{heldout}]", f"filter.output={output}",
+                 "logging.progress=false"]) == 0
+    summary = json.load(open(output + ".summary.json"))
+    bands = {"math": (0.0, 0.8), "code": (0.0, 0.8), "instruction_following": (0.0, 0.4)}
+    assert {task: (t["band"]["low"], t["band"]["high"]) for task, t in summary["tasks"].items()} == bands
+    assert all(summary["tasks"][task]["in"] == HELDOUT_PER_TASK for task in MIXTURE_TASKS)
+    kept = [json.loads(line) for line in open(output)]
+    assert kept and all(bands[r["task"]][0] < r["pass_rate"] <= bands[r["task"]][1] for r in kept)
+    print("filter kept per task:", {task: t["kept"] for task, t in summary["tasks"].items()})
