@@ -190,17 +190,27 @@ def forget_unwritten(cache, decode_start, lengths):
     return cache._replace(segment_ids=jnp.where(unwritten, 0, cache.segment_ids))
 
 
-def gather_rows(cache, take, cache_len: int, layer_types):
+def take_and_grow(x, take, cache_len: int | None = None):
+    """x [B, S, ...] -> the rows ``take`` [B'] of ``x``, with empty rows (zeros) appended up to
+    ``cache_len`` along axis 1 (None: rows only)."""
+    x = jnp.take(x, take, axis=0)
+    if cache_len is None:
+        return x
+    return jnp.pad(x, [(0, 0), (0, cache_len - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def gather_rows(cache, take, cache_len: int, layer_types, per_array=take_and_grow):
     """``cache`` with the batch rows ``take`` [B'] (in that order) and ``cache_len`` cache rows: the
     segment ids and the softmax layers' keys and values (``layer_types[i] == "full_attention"``)
     keep their rows and gain empty ones at the end (segment id 0: never attended); other layers'
-    fixed-size recurrent states are only gathered. The shared write index is kept."""
-    def rows(x):
-        return jnp.take(x, take, axis=0)
-
+    fixed-size recurrent states are only gathered. The shared write index is kept.
+    ``per_array(x, take, cache_len or None)`` computes each array, one at a time (default
+    :func:`take_and_grow`, traced into the caller's program)."""
     def grown(x):
-        x = rows(x)
-        return jnp.pad(x, [(0, 0), (0, cache_len - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+        return per_array(x, take, cache_len)
+
+    def rows(x):
+        return per_array(x, take, None)
 
     layers = tuple(jax.tree.map(grown if kind == "full_attention" else rows, layer)
                    for kind, layer in zip(layer_types, cache.layers, strict=True))
@@ -208,4 +218,4 @@ def gather_rows(cache, take, cache_len: int, layer_types):
 
 
 __all__ = ["Decoded", "decode_loop", "first_argmax", "forget_unwritten", "gather_rows", "processed_logits",
-           "row_keys", "sample_step"]
+           "row_keys", "sample_step", "take_and_grow"]

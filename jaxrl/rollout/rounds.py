@@ -31,6 +31,7 @@ host sync and one cache copy per doubling (bench/long_generation.py measures bot
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable
 
 import jax
@@ -38,7 +39,7 @@ import numpy as np
 
 from jaxrl import distributed
 from jaxrl.errors import needs_extra
-from jaxrl.rollout.decode import decode_loop, gather_rows
+from jaxrl.rollout.decode import decode_loop, gather_rows, take_and_grow
 
 with needs_extra("jaxrl.rollout.rounds"):
     from flax import nnx
@@ -47,6 +48,14 @@ with needs_extra("jaxrl.rollout.rounds"):
 def power_of_two(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum)."""
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def row_bucket(n: int) -> int:
+    """The rows a round runs for ``n`` unfinished sequences: the smallest of 1, 2, 3, 4, 6, 8, 12,
+    16, ... (2^k and 3 * 2^(k-1)) >= n, so a round pads at most a third of its rows and a batch size
+    compiles at most two programs per power of two."""
+    power = power_of_two(n)
+    return power * 3 // 4 if power >= 4 and n <= power * 3 // 4 else power
 
 
 def round_schedule(new_token_bucket: int, round_tokens: int) -> list[tuple[int, int]]:
@@ -64,16 +73,28 @@ def round_schedule(new_token_bucket: int, round_tokens: int) -> list[tuple[int, 
     return schedule
 
 
+def regrown(cache, take, cache_len: int, layer_types):
+    """``decode.gather_rows`` one array at a time, each old array donated to the program that
+    replaces it (so freed once its replacement exists): the previous and the next round's caches
+    are never both whole; the peak is the larger plus one array."""
+    with warnings.catch_warnings():  # the old arrays cannot alias the new ones (other shapes): freed, not reused
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return gather_rows(cache, take, cache_len, layer_types, per_array=_take_and_grow_donated)
+
+
+_take_and_grow_donated = jax.jit(take_and_grow, static_argnames=("cache_len",), donate_argnums=(0,))
+
+
 def _round(graphdef, state, cache, logits, last_routes, take, done, start_positions, keys, first_step, temperature,
-           top_k, top_p, stop_ids, max_new_tokens, *, steps: int, cache_len: int, feed_last: bool):
-    """One later round: the rows ``take`` [B'] of the previous round's ``cache``, next-token
-    ``logits`` [B, V] and ``last_routes`` [B, L_moe, k] (None for dense models), the cache grown to
-    ``cache_len`` rows, then ``steps`` decode steps from ``first_step``. done, start_positions,
-    keys: [B'] / [B', 2] for the rows taken (done: padding rows). Returns ((tokens, raw,
-    processed [B', steps], lengths (this round's), stopped [B'], routes [B', steps, L_moe, k] or
-    None), (cache, last routes, next-token logits) for the next round)."""
+           top_k, top_p, stop_ids, max_new_tokens, *, steps: int, feed_last: bool):
+    """One later round: ``steps`` decode steps from ``first_step`` over ``cache`` (the rows taken,
+    already grown: :func:`regrown`; donated, so the loop writes it in place), from the rows ``take``
+    [B'] of the previous round's next-token ``logits`` [B, V] and ``last_routes`` [B, L_moe, k] (None
+    for dense models). done, start_positions, keys: [B'] / [B', 2] for the rows taken (done:
+    padding rows). Returns ((tokens, raw, processed [B', steps], lengths (this round's), stopped
+    [B'], routes [B', steps, L_moe, k] or None), (cache, last routes, next-token logits) for the next
+    round)."""
     model = nnx.merge(graphdef, state)
-    cache = gather_rows(cache, take, cache_len, model.config.layer_types)
     logits = jax.numpy.take(logits, take, axis=0)
     first_routes = None if last_routes is None else jax.numpy.take(last_routes, take, axis=0)
     d = decode_loop(model, logits, cache, start_positions, done, keys, temperature, top_k, top_p, stop_ids,
@@ -81,7 +102,7 @@ def _round(graphdef, state, cache, logits, last_routes, take, done, start_positi
     return (d.tokens, d.raw, d.processed, d.lengths, d.stopped, d.routes), (d.cache, d.last_routes, d.logits)
 
 
-round_jit = jax.jit(_round, static_argnums=(0,), static_argnames=("steps", "cache_len", "feed_last"))
+round_jit = jax.jit(_round, static_argnums=(0,), static_argnames=("steps", "feed_last"), donate_argnames=("cache",))
 
 
 class Generation:
@@ -128,15 +149,15 @@ def decode_rounds(first_round: tuple, kept: tuple, schedule: list[tuple[int, int
     """The rounds after round 0 (module doc). first_round: round 0's outputs (tokens, raw, processed,
     lengths, stopped, routes) and ``kept`` its (cache, last routes, next-token logits);
     start_positions [rows], keys [rows, 2]: each row's first new position and PRNG key.
-    ``run(take, done, start_positions, keys, first_step, steps=, cache_len=, feed_last=)`` runs
-    ``round_jit`` on the kept state; ``cache_rows(new_rows)`` is the cache length of a round;
+    ``run(kept, take, done, start_positions, keys, first_step, steps=, cache_len=, feed_last=)`` runs
+    a round (:func:`regrown`, then ``round_jit``) from ``kept``; ``cache_rows(new_rows)``: a round's cache length;
     ``on_round(rows, cache_len)`` sees the shape of each round run."""
     generation = Generation(distributed.to_host(first_round), schedule[-1][1])
     for first_step, new_rows in schedule[1:]:
         going = generation.unfinished(max_new_tokens)
         if going.size == 0:
             break
-        take = np.zeros(power_of_two(going.size), np.int32)
+        take = np.zeros(row_bucket(going.size), np.int32)
         take[:going.size] = going
         rows = generation.batch[take]
         done = np.arange(take.size) >= going.size
@@ -149,4 +170,4 @@ def decode_rounds(first_round: tuple, kept: tuple, schedule: list[tuple[int, int
     return generation
 
 
-__all__ = ["Generation", "decode_rounds", "power_of_two", "round_jit", "round_schedule"]
+__all__ = ["Generation", "decode_rounds", "power_of_two", "regrown", "round_jit", "round_schedule", "row_bucket"]

@@ -62,7 +62,7 @@ from jaxrl.errors import needs_extra
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.rollout.base import Conversation, LogprobKind, RolloutEngine, Sample, SamplingParams
 from jaxrl.rollout.decode import decode_loop, forget_unwritten, processed_logits, row_keys, sample_step
-from jaxrl.rollout.rounds import decode_rounds, power_of_two, round_jit, round_schedule
+from jaxrl.rollout.rounds import decode_rounds, power_of_two, regrown, round_jit, round_schedule
 from jaxrl.rollout.turn_cache import Continuation, TurnCache, continue_jit, continued_prompt_routes, keeps_turns
 
 with needs_extra("jaxrl.rollout.sampler"):
@@ -157,6 +157,7 @@ class JaxSampler(RolloutEngine):
         self.round_tokens = round_tokens
         self.cache_shapes: list[tuple[int, int]] = []
         self.vocab_size = config.vocab_size
+        self._layer_types = config.layer_types
         self.max_batch = max_batch
         self.min_prompt_bucket = min_prompt_bucket
         self.mesh = mesh
@@ -388,13 +389,14 @@ class JaxSampler(RolloutEngine):
 
     def _rounds(self, first_round, kept, schedule, params, start_positions, keys, prompt_bucket):
         """The later rounds of a long generation whose round 0 gave ``first_round`` and ``kept``."""
-        scalars = self._scalars(params)
+        scalars, layer_types = self._scalars(params), self._layer_types
 
-        def run(kept, take, done, positions, keys, first_step, **shapes):
+        def run(kept, take, done, positions, keys, first_step, *, cache_len, **shapes):
             args = (done, positions, keys)
             if self.mesh is not None:
                 args = jax.device_put(args, batch_shardings(args, self.mesh))
             cache, last_routes, logits = kept
+            cache = self._call(lambda: regrown(cache, take, cache_len, layer_types))
             return self._call(lambda: round_jit(self._graphdef, self._state, cache, logits, last_routes, take, *args,
                                                 first_step, *scalars, **shapes))
 
