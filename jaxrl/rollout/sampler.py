@@ -61,6 +61,7 @@ from jaxrl import distributed
 from jaxrl.errors import needs_extra
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.rollout.base import Conversation, LogprobKind, RolloutEngine, Sample, SamplingParams
+from jaxrl.rollout.config import DEFAULT_ROUND_TOKENS
 from jaxrl.rollout.decode import decode_loop, forget_unwritten, processed_logits, row_keys, sample_step
 from jaxrl.rollout.rounds import decode_rounds, power_of_two, regrown, round_jit, round_schedule
 from jaxrl.rollout.turn_cache import Continuation, TurnCache, continue_jit, continued_prompt_routes, keeps_turns
@@ -70,10 +71,6 @@ with needs_extra("jaxrl.rollout.sampler"):
 
 # Stop ids travel as a fixed-size array (-1 = unused) so their number never recompiles.
 MAX_STOP_IDS = 16
-# Generations up to this many new tokens run as one call; longer ones in rounds (jaxrl.rollout.rounds):
-# bench/long_generation.py measures rounds at 2048 tokens slower than one call below 8K (rounds only
-# save memory once most of a batch has stopped).
-DEFAULT_ROUND_TOKENS = 2048
 
 
 def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, temperature, top_k, top_p,
