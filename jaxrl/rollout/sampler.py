@@ -6,7 +6,8 @@ decode through the model's KV cache (``Decoder.__call__`` with a
 the batch is padded to a power of two (at most ``max_batch`` rows per call),
 prompts are left-padded to a power-of-two length bucket (at least
 ``min_prompt_bucket``; left, so that linear-attention recurrent states stay
-exact), the cache holds prompt bucket + new-token bucket rows. Left padding also
+exact), the cache holds prompt bucket + new-token bucket rows (a generation past ``round_tokens``
+runs in rounds whose cache holds only the unfinished sequences: ``jaxrl.rollout.rounds``). Left padding also
 puts every row's next token at the same cache row, so the cache is written with
 one dynamic-update-slice per array (``init_cache(shared_index=True)``), not a
 scatter; and the top-k/top-p sort is skipped when both are off. Sampling parameters are traced
