@@ -126,6 +126,10 @@ class Generation:
         self.lengths, self.stopped = lengths.copy(), stopped.copy()
         self.batch = np.arange(rows)
 
+    def outputs(self) -> tuple:
+        """(tokens, raw, processed, lengths, stopped, routes), the one-call program's host outputs."""
+        return self.tokens, self.raw, self.processed, self.lengths, self.stopped, self.routes
+
     def unfinished(self, max_new_tokens: int) -> np.ndarray:
         """Positions in the last round's batch of the rows that go on (not stopped, under budget)."""
         rows = self.batch

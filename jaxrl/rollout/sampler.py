@@ -340,7 +340,7 @@ class JaxSampler(RolloutEngine):
         """The samples of one jitted call, and with ``keep_cache`` its cache (else None)."""
         # One prefill per distinct prompt (a GRPO group's samples share theirs).
         distinct = {i: None for i, _ in ids}
-        rows, prompt_rows, prompt_bucket, new_bucket, cache_len = self._shapes(
+        rows, prompt_rows, prompt_bucket, new_bucket, _ = self._shapes(
             len(prompts), len(distinct), max(p.size for p in prompts), params.max_new_tokens)
         index = {i: u for u, i in enumerate(distinct)}
         first_row = {i: r for r, (i, _) in reversed(list(enumerate(ids)))}
@@ -369,10 +369,8 @@ class JaxSampler(RolloutEngine):
             start_positions = np.where(row_prompts >= 0, prompt_lengths[np.maximum(row_prompts, 0)], 0)
             generation = self._rounds(outputs[:6], kept, schedule, params, start_positions, np.asarray(keys),
                                       prompt_bucket)
-            kept = None
-            tokens, raw, processed, lengths, stopped, routes = (
-                generation.tokens, generation.raw, generation.processed, generation.lengths, generation.stopped,
-                generation.routes)
+            kept = None  # rounds run only without keep_cache
+            tokens, raw, processed, lengths, stopped, routes = generation.outputs()
             prompt_routes = distributed.to_host(outputs[6])
         else:
             # to_host, not device_get: with several processes the outputs span all of them.
