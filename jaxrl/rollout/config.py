@@ -13,11 +13,8 @@ import jax
 
 from jaxrl.distributed.placement import PlacementConfig
 from jaxrl.rollout.base import LogprobKind, RolloutEngine, check_sampling_ranges
+from jaxrl.rollout.rounds import DEFAULT_ROUND_TOKENS
 from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig
-
-# Generations up to this many new tokens run as one call of the embedded sampler, longer ones in rounds
-# (jaxrl.rollout.rounds): the default of RolloutConfig.round_tokens and JaxSampler's round_tokens.
-DEFAULT_ROUND_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,11 +38,11 @@ import jax
 import numpy as np
 
 from jaxrl import distributed
-from jaxrl.errors import needs_extra
 from jaxrl.rollout.decode import decode_loop, gather_rows, take_and_grow
 
-with needs_extra("jaxrl.rollout.rounds"):
-    from flax import nnx
+# Generations up to this many new tokens run as one call of the embedded sampler, longer ones in rounds:
+# the default of RolloutConfig.round_tokens and JaxSampler's round_tokens.
+DEFAULT_ROUND_TOKENS = 2048
 
 
 def power_of_two(n: int, minimum: int = 1) -> int:
@@ -94,6 +94,8 @@ def _round(graphdef, state, cache, logits, last_routes, take, done, start_positi
     padding rows). Returns ((tokens, raw, processed [B', steps], lengths (this round's), stopped
     [B'], routes [B', steps, L_moe, k] or None), (cache, last routes, next-token logits) for the next
     round)."""
+    from flax import nnx  # here, so that the rollout config can import this module without flax
+
     model = nnx.merge(graphdef, state)
     logits = jax.numpy.take(logits, take, axis=0)
     first_routes = None if last_routes is None else jax.numpy.take(last_routes, take, axis=0)
@@ -174,4 +176,5 @@ def decode_rounds(first_round: tuple, kept: tuple, schedule: list[tuple[int, int
     return generation
 
 
-__all__ = ["Generation", "decode_rounds", "power_of_two", "regrown", "round_jit", "round_schedule", "row_bucket"]
+__all__ = ["DEFAULT_ROUND_TOKENS", "Generation", "decode_rounds", "power_of_two", "regrown", "round_jit",
+           "round_schedule", "row_bucket"]

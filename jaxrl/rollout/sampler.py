@@ -62,9 +62,8 @@ from jaxrl import distributed
 from jaxrl.errors import needs_extra
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.rollout.base import Conversation, LogprobKind, RolloutEngine, Sample, SamplingParams
-from jaxrl.rollout.config import DEFAULT_ROUND_TOKENS
 from jaxrl.rollout.decode import decode_loop, forget_unwritten, processed_logits, row_keys, sample_step
-from jaxrl.rollout.rounds import decode_rounds, power_of_two, regrown, round_jit, round_schedule
+from jaxrl.rollout.rounds import DEFAULT_ROUND_TOKENS, decode_rounds, power_of_two, regrown, round_jit, round_schedule
 from jaxrl.rollout.turn_cache import Continuation, TurnCache, continue_jit, continued_prompt_routes, keeps_turns
 
 with needs_extra("jaxrl.rollout.sampler"):
