@@ -31,7 +31,6 @@ host sync and one cache copy per doubling (bench/long_generation.py measures bot
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable
 
 import jax
@@ -74,15 +73,18 @@ def round_schedule(new_token_bucket: int, round_tokens: int) -> list[tuple[int, 
 
 
 def regrown(cache, take, cache_len: int, layer_types):
-    """``decode.gather_rows`` one array at a time, each old array donated to the program that
-    replaces it (so freed once its replacement exists): the previous and the next round's caches
-    are never both whole; the peak is the larger plus one array."""
-    with warnings.catch_warnings():  # the old arrays cannot alias the new ones (other shapes): freed, not reused
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        return gather_rows(cache, take, cache_len, layer_types, per_array=_take_and_grow_donated)
+    """``decode.gather_rows`` one array at a time, each old array deleted as soon as its replacement
+    is enqueued (PJRT frees it once the copy has read it): the previous and the next round's caches
+    are never both whole; the peak is the larger plus one array. The old cache is unusable after."""
+    def replaced(x, take, cache_len):
+        new = _take_and_grow(x, take, cache_len=cache_len)
+        x.delete()  # not donation: an input XLA cannot alias to an output (other shape) is not consumed
+        return new
+
+    return gather_rows(cache, take, cache_len, layer_types, per_array=replaced)
 
 
-_take_and_grow_donated = jax.jit(take_and_grow, static_argnames=("cache_len",), donate_argnums=(0,))
+_take_and_grow = jax.jit(take_and_grow, static_argnames=("cache_len",))
 
 
 def _round(graphdef, state, cache, logits, last_routes, take, done, start_positions, keys, first_step, temperature,

@@ -392,8 +392,12 @@ class JaxSampler(RolloutEngine):
                 args = jax.device_put(args, batch_shardings(args, self.mesh))
             cache, last_routes, logits = kept
             cache = self._call(lambda: regrown(cache, take, cache_len, layer_types))
-            return self._call(lambda: round_jit(self._graphdef, self._state, cache, logits, last_routes, take, *args,
-                                                first_step, *scalars, **shapes))
+            out = self._call(lambda: round_jit(self._graphdef, self._state, cache, logits, last_routes, take, *args,
+                                               first_step, *scalars, **shapes))
+            for x in (logits, last_routes):  # read by the round (its rows gathered): freed now, not at the end
+                if x is not None:
+                    x.delete()
+            return out
 
         return decode_rounds(first_round, kept, schedule, run=run, start_positions=start_positions, keys=keys,
                              max_new_tokens=params.max_new_tokens,
