@@ -8,12 +8,12 @@ with lengths spread log-normally, most of it is rows nobody writes any more.
 With ``round_tokens = R`` a generation whose new-token bucket exceeds ``R`` runs in rounds
 (``round_schedule``): round 0 is the ordinary call (prefill, then decode) with a cache of ``R``
 new-token rows; round ``k >= 1`` decodes steps ``R 2^(k-1) .. R 2^k - 1`` with ``R 2^k`` rows. Between
-rounds the host reads which sequences stopped, and the next round's program gathers only the
-unfinished ones (their batch padded to a power of two) into a cache twice as long
-(``decode.gather_rows``), carrying each row's next-token logits, so no step is repeated and
+rounds the host reads which sequences stopped; only the unfinished ones (padded to
+``row_bucket`` rows) are copied into a cache twice as long (``regrown``, array by array, each old
+array freed once copied), and their next-token logits carried, so no step is repeated and
 nothing is prefilled again. A round's cache is therefore sized to ``live rows x (prompt + at most
 twice the longest live length)``, and memory follows the batch's real lengths; the peak is the
-largest round's old plus new cache (both live while rows are copied).
+larger of two successive rounds' caches plus one array.
 
 Numerics: every round runs the same decode step (the same attention over a dense cache, masked
 the same way), each token drawn with its own ``fold_in(key, step)``, so a sample's tokens are the
@@ -25,7 +25,7 @@ Why rounds rather than a paged cache: a page table needs attention that reads a 
 where they lie; in XLA without a custom kernel that is a gather of every row's pages into a dense
 ``[rows, S]`` view per layer and step, the very block it was meant to avoid, and a different
 attention function from the learner's. Rounds keep the decode step and its numerics and cost one
-host sync and one cache copy per doubling (bench/long_generation.py measures both designs' memory).
+host sync and one cache copy per doubling (bench/long_generation.py measures rounds against one call).
 """
 
 from __future__ import annotations
