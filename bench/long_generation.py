@@ -23,6 +23,8 @@ Memory, at ``--lengths`` (8K, 16K, 32K; compiled, not run, so deterministic):
 Speed, at ``--run-lengths`` (every decode step runs): tokens/s = generated tokens / (wall time -
 XLA compile time, from jax's compile events), and max |dlogp| against the learner's recompute; the
 shapes each run used are checked against the memory table's plan.
+Alignment, at ``--learner-length`` (16K): two samples of a random model whose attention matters,
+generated in rounds, against the learner's recompute (max |dlogp|, k3).
 Ends with ``TARGET kv_cache_memory_at_32k: <rounds/one call> (goal <= 0.5) met|missed``.
 
     .venv/bin/python bench/long_generation.py [--lengths 8192 16384 32768 --run-lengths 4096 8192 --rows 8]
@@ -207,12 +209,28 @@ def speed_table(model: Decoder, lengths: list[int], rows: int, round_tokens: int
         print(f"{length:>6} tokens/s rounds / one call: {speed['rounds'] / speed['one call']:.2f}", flush=True)
 
 
+def learner_check(length: int, round_tokens: int) -> None:
+    """Two samples of ``length`` tokens (no stop) from a random model whose attention matters (the
+    sampler tests' tiny model, weights x10), in rounds; prints max |dlogp| and k3 against the learner."""
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=length + PROMPT)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x, nnx.state(model)))
+    sampler = JaxSampler(model, max_batch=2, round_tokens=round_tokens)
+    batch = collect(sampler, [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=1.0, max_new_tokens=length, seed=7))
+    overall = build_report(score_with_learner(model, batch))["overall"]
+    print(f"learner recompute of 2 x {length} tokens generated in rounds {sampler.cache_shapes}: "
+          f"max|dlogp| {overall['abs_log_ratio_max']:.2g}, k3 {overall['k3']:.2g} over {overall['num_tokens']} tokens")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768],
                    help="generation lengths L of the memory table (compiled, not run)")
     p.add_argument("--run-lengths", type=int, nargs="*", default=[4096, 8192],
                    help="lengths generated for tokens/s (every decode step runs: minutes per 8K on 2 CPU cores)")
+    p.add_argument("--learner-length", type=int, default=16384,
+                   help="tokens of the learner-recompute check on a random model (0 = skip)")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--round-tokens", type=int, default=2048)
     p.add_argument("--layers", type=int, default=2)
@@ -226,6 +244,8 @@ def main() -> None:
         vocab = max(args.run_lengths) + 2 * PROMPT
         speed_table(oracle_model(vocab, args.layers, args.hidden), sorted(args.run_lengths), args.rows,
                     args.round_tokens, stop=vocab - 1)
+    if args.learner_length:
+        learner_check(args.learner_length, args.round_tokens)
     print(f"TARGET kv_cache_memory_at_{max(args.lengths) // 1024}k: {ratio:.3f} (goal <= {GOAL}) "
           f"{'met' if ratio <= GOAL else 'missed'}")
 
