@@ -13,6 +13,7 @@ import jax
 
 from jaxrl.distributed.placement import PlacementConfig
 from jaxrl.rollout.base import LogprobKind, RolloutEngine, check_sampling_ranges
+from jaxrl.rollout.rounds import DEFAULT_ROUND_TOKENS
 from jaxrl.rollout.sglang import ClientConfig, PushConfig, ServerConfig
 
 
@@ -87,6 +88,10 @@ class RolloutConfig:
     ``prompts_per_step`` finish and the long tail carries over (slime's over-sampling); 0 = twice
     ``prompts_per_step``; ``prompts_per_step`` itself makes partial rollouts with
     ``partial_tokens >= max_new_tokens`` the synchronous loop.
+    round_tokens: the embedded sampler decodes a generation longer than this many tokens in rounds
+    whose KV cache holds only the unfinished samples and doubles each round, so its memory follows
+    the batch's real lengths (docs/rollouts.md#long-generations); 0 = one dense cache per call, sized
+    to the longest sample's bucket. Shorter generations run one call either way.
     """
 
     engine: Literal["embedded", "sglang"] = "embedded"
@@ -105,6 +110,7 @@ class RolloutConfig:
     max_extra_draws: int = 4
     partial_tokens: int = 0
     partial_groups: int = 0
+    round_tokens: int = DEFAULT_ROUND_TOKENS
     sglang: SGLangConfig | None = None
 
     def __post_init__(self):
@@ -138,6 +144,9 @@ class RolloutConfig:
                 raise ValueError(f"rollout.partial_tokens (partial rollouts) and rollout.{key} both decide which "
                                  f"samples a step trains on; use one of the two (set rollout.{key} to its "
                                  "default or rollout.partial_tokens=0)")
+        if self.round_tokens < 0:
+            raise ValueError(f"rollout.round_tokens must be >= 0 (0 = one dense KV cache per call), got "
+                             f"{self.round_tokens}")
         if not self.push_tolerance > 0.0:
             raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
 
@@ -168,4 +177,4 @@ def make_engine(rollout: RolloutConfig, model, mesh: jax.sharding.Mesh, max_batc
         return SGLangEngine(manager, push=sglang.push, client=sglang.client), manager
     from jaxrl.rollout.sampler import JaxSampler
 
-    return JaxSampler(model, mesh=mesh, max_batch=max_batch), None
+    return JaxSampler(model, mesh=mesh, max_batch=max_batch, round_tokens=rollout.round_tokens), None

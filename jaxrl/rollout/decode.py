@@ -96,7 +96,8 @@ class Decoded(NamedTuple):
     row's length), lengths [B], stopped [B], routes [B, N, L_moe, k] (row j: the route of the
     position that produced token j), last_routes [B, L_moe, k] (the route of each row's last fed
     token, which no output row holds; routes of the position before it when a row made none),
-    both None for dense models, and the cache after the loop."""
+    both None for dense models, the cache after the loop and the next-token logits [B, V] after
+    each row's last fed token (what a later round of the same generation samples from first)."""
 
     tokens: jax.Array
     raw: jax.Array
@@ -106,10 +107,12 @@ class Decoded(NamedTuple):
     routes: jax.Array | None
     last_routes: jax.Array | None
     cache: object
+    logits: jax.Array
 
 
 def decode_loop(model, logits, cache, start_positions, done, keys, temperature, top_k, top_p, stop_ids,
-                max_new_tokens, first_routes, *, new_token_bucket: int, feed_last: bool = True) -> Decoded:
+                max_new_tokens, first_routes, *, new_token_bucket: int, feed_last: bool = True,
+                first_step=0) -> Decoded:
     """Samples up to ``max_new_tokens`` tokens per row from ``logits`` [B, V] (the next-token
     logits after each row's context), feeding each sampled token to ``model`` through ``cache``
     (every row writes the cache's shared index). start_positions [B]: the position of each row's
@@ -123,6 +126,11 @@ def decode_loop(model, logits, cache, start_positions, done, keys, temperature, 
     False the token of step ``max_new_tokens - 1`` is sampled but not fed (a caller that drops the
     cache never reads it: one model call fewer); the cache then lacks it and ``last_routes`` is
     None. N = new_token_bucket.
+
+    ``first_step`` (traced scalar; 0 for a whole generation) makes the call one round of a longer
+    generation (``jaxrl.rollout.rounds``): it runs steps ``first_step .. first_step + N - 1`` (each
+    still drawing with ``fold_in(key, step)`` at position ``start_positions + step``), output
+    column ``j`` holding step ``first_step + j`` and ``lengths`` counting this round's tokens.
     """
     batch = logits.shape[0]
     tokens = jnp.zeros((batch, new_token_bucket), jnp.int32)
@@ -137,13 +145,14 @@ def decode_loop(model, logits, cache, start_positions, done, keys, temperature, 
     def sample(step, logits, done, lengths, tokens, raw, processed):
         token, raw_lp, proc_lp = sample_step(logits, noise.fold_in(keys, step), temperature, top_k, top_p)
         live = ~done & (step < max_new_tokens)
-        tokens = tokens.at[:, step].set(jnp.where(live, token, 0))
-        raw = raw.at[:, step].set(jnp.where(live, raw_lp, 0.0))
-        processed = processed.at[:, step].set(jnp.where(live, proc_lp, 0.0))
+        column = step - first_step
+        tokens = tokens.at[:, column].set(jnp.where(live, token, 0))
+        raw = raw.at[:, column].set(jnp.where(live, raw_lp, 0.0))
+        processed = processed.at[:, column].set(jnp.where(live, proc_lp, 0.0))
         done = done | (live & jnp.isin(token, stop_ids))
         return token, done, lengths + live.astype(jnp.int32), tokens, raw, processed
 
-    fed_steps = max_new_tokens if feed_last else max_new_tokens - 1
+    fed_steps = jnp.minimum(max_new_tokens if feed_last else max_new_tokens - 1, first_step + new_token_bucket)
 
     def keep_going(carry):
         step, _, _, done, *_ = carry
@@ -155,21 +164,21 @@ def decode_loop(model, logits, cache, start_positions, done, keys, temperature, 
         position = (start_positions + step)[:, None]
         out = model(token[:, None], position, jnp.ones_like(position), cache=cache)
         if routes is not None:
-            routes = routes.at[:, step + 1].set(out.routed_experts[:, 0])
+            routes = routes.at[:, step - first_step + 1].set(out.routed_experts[:, 0])
         logits = model.head(out.hidden)[:, 0]
         return step + 1, logits, out.cache, done, lengths, tokens, raw, processed, routes
 
-    carry = (jnp.zeros((), jnp.int32), logits, cache, done, lengths, tokens, raw, processed, routes)
+    carry = (jnp.asarray(first_step, jnp.int32), logits, cache, done, lengths, tokens, raw, processed, routes)
     step, logits, cache, done, lengths, tokens, raw, processed, routes = jax.lax.while_loop(keep_going, body, carry)
     last = None
     if not feed_last:  # the unfed last step (a no-op when every row is done or nothing was asked for)
-        step = jnp.minimum(step, new_token_bucket - 1)
+        step = jnp.minimum(step, first_step + new_token_bucket - 1)
         _, done, lengths, tokens, raw, processed = sample(step, logits, done, lengths, tokens, raw, processed)
     elif routes is not None:
         last = jnp.take_along_axis(routes, lengths[:, None, None, None], axis=1)[:, 0]
     if routes is not None:
         routes = routes[:, :new_token_bucket]
-    return Decoded(tokens, raw, processed, lengths, done, routes, last, cache)
+    return Decoded(tokens, raw, processed, lengths, done, routes, last, cache, logits)
 
 
 def forget_unwritten(cache, decode_start, lengths):
@@ -181,4 +190,32 @@ def forget_unwritten(cache, decode_start, lengths):
     return cache._replace(segment_ids=jnp.where(unwritten, 0, cache.segment_ids))
 
 
-__all__ = ["Decoded", "decode_loop", "first_argmax", "forget_unwritten", "processed_logits", "row_keys", "sample_step"]
+def take_and_grow(x, take, cache_len: int | None = None):
+    """x [B, S, ...] -> the rows ``take`` [B'] of ``x``, with empty rows (zeros) appended up to
+    ``cache_len`` along axis 1 (None: rows only)."""
+    x = jnp.take(x, take, axis=0)
+    if cache_len is None:
+        return x
+    return jnp.pad(x, [(0, 0), (0, cache_len - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def gather_rows(cache, take, cache_len: int, layer_types, per_array=take_and_grow):
+    """``cache`` with the batch rows ``take`` [B'] (in that order) and ``cache_len`` cache rows: the
+    segment ids and the softmax layers' keys and values (``layer_types[i] == "full_attention"``)
+    keep their rows and gain empty ones at the end (segment id 0: never attended); other layers'
+    fixed-size recurrent states are only gathered. The shared write index is kept.
+    ``per_array(x, take, cache_len or None)`` computes each array, one at a time (default
+    :func:`take_and_grow`, traced into the caller's program)."""
+    def grown(x):
+        return per_array(x, take, cache_len)
+
+    def rows(x):
+        return per_array(x, take, None)
+
+    layers = tuple(jax.tree.map(grown if kind == "full_attention" else rows, layer)
+                   for kind, layer in zip(layer_types, cache.layers, strict=True))
+    return cache._replace(layers=layers, segment_ids=grown(cache.segment_ids))
+
+
+__all__ = ["Decoded", "decode_loop", "first_argmax", "forget_unwritten", "gather_rows", "processed_logits",
+           "row_keys", "sample_step", "take_and_grow"]

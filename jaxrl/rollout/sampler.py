@@ -6,7 +6,8 @@ decode through the model's KV cache (``Decoder.__call__`` with a
 the batch is padded to a power of two (at most ``max_batch`` rows per call),
 prompts are left-padded to a power-of-two length bucket (at least
 ``min_prompt_bucket``; left, so that linear-attention recurrent states stay
-exact), the cache holds prompt bucket + new-token bucket rows. Left padding also
+exact), the cache holds prompt bucket + new-token bucket rows (a generation past ``round_tokens``
+runs in rounds whose cache holds only the unfinished sequences: ``jaxrl.rollout.rounds``). Left padding also
 puts every row's next token at the same cache row, so the cache is written with
 one dynamic-update-slice per array (``init_cache(shared_index=True)``), not a
 scatter; and the top-k/top-p sort is skipped when both are off. Sampling parameters are traced
@@ -51,7 +52,6 @@ docs/alignment.md#embedded-sampler-versus-learner, bench/sampler_throughput.py).
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import jax
@@ -63,6 +63,7 @@ from jaxrl.errors import needs_extra
 from jaxrl.models.sharding import batch_shardings
 from jaxrl.rollout.base import Conversation, LogprobKind, RolloutEngine, Sample, SamplingParams
 from jaxrl.rollout.decode import decode_loop, forget_unwritten, processed_logits, row_keys, sample_step
+from jaxrl.rollout.rounds import DEFAULT_ROUND_TOKENS, decode_rounds, power_of_two, regrown, round_jit, round_schedule
 from jaxrl.rollout.turn_cache import Continuation, TurnCache, continue_jit, continued_prompt_routes, keeps_turns
 
 with needs_extra("jaxrl.rollout.sampler"):
@@ -70,10 +71,6 @@ with needs_extra("jaxrl.rollout.sampler"):
 
 # Stop ids travel as a fixed-size array (-1 = unused) so their number never recompiles.
 MAX_STOP_IDS = 16
-
-
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, temperature, top_k, top_p,
@@ -88,9 +85,10 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, tempe
     tokens at the same cache row P + step (positions still count from each row's first token).
     Returns (tokens, raw and processed logprobs [B, N], lengths [B], stopped [B], routed experts
     [B, N, L_moe, k] and the prefill's routed experts [B, P, L_moe, k] (both None for dense
-    models)), N = new_token_bucket, and with ``keep_cache`` what ``jaxrl.rollout.turn_cache``
-    keeps: (the cache after the call, rows past each sequence's tokens marked empty; the routes
-    of each sequence's last token, or None), else None.
+    models)), N = new_token_bucket, and with ``keep_cache`` what ``jaxrl.rollout.turn_cache`` and
+    the later rounds of a long generation (``jaxrl.rollout.rounds``) continue from: (the cache after
+    the call, rows past each sequence's tokens marked empty; the routes of each sequence's last
+    token, or None; the next-token logits [B, V] after it), else None.
     """
     model = nnx.merge(graphdef, state)
     prompt_bucket = prompt_ids.shape[1]
@@ -109,7 +107,7 @@ def _generate(graphdef, state, prompt_ids, prompt_lengths, rows, row_keys, tempe
     d = decode_loop(model, logits, cache, prompt_lengths, prompt_lengths == 0, row_keys, temperature, top_k, top_p,
                     stop_ids, max_new_tokens, None if prompt_routes is None else prompt_routes[:, -1],
                     new_token_bucket=new_token_bucket, feed_last=keep_cache)
-    kept = (forget_unwritten(d.cache, prompt_bucket, d.lengths), d.last_routes) if keep_cache else None
+    kept = (forget_unwritten(d.cache, prompt_bucket, d.lengths), d.last_routes, d.logits) if keep_cache else None
     return (d.tokens, d.raw, d.processed, d.lengths, d.stopped, d.routes, prompt_routes), kept
 
 
@@ -130,13 +128,18 @@ class JaxSampler(RolloutEngine):
       reads only the tokens appended since the last (``jaxrl.rollout.turn_cache``; False reads
       every conversation afresh). ``turn_calls`` counts the calls that continued a kept cache
       ("continued") and those that read afresh ("fresh").
+    round_tokens: ``generate`` decodes a generation whose new-token bucket exceeds this many tokens
+      in rounds whose cache holds only the unfinished sequences and doubles each round
+      (``jaxrl.rollout.rounds``); 0 keeps one dense cache for the whole generation. Shorter
+      generations, and ``continue_conversations``, run the one-call program either way.
+      ``cache_shapes`` lists (rows, cache rows) of each program the last ``generate`` ran.
     """
 
     holds_references = True
 
     def __init__(self, model: nnx.Module, *, max_cache_len: int | None = None, max_batch: int = 64,
                  min_prompt_bucket: int = 16, mesh: jax.sharding.Mesh | None = None,
-                 weight_version: str = "0", keep_turns: bool = True):
+                 weight_version: str = "0", keep_turns: bool = True, round_tokens: int = DEFAULT_ROUND_TOKENS):
         config = model.config
         self.max_cache_len = int(max_cache_len or config.max_position_embeddings)
         if self.max_cache_len > config.max_position_embeddings:
@@ -146,7 +149,12 @@ class JaxSampler(RolloutEngine):
                             ("min_prompt_bucket", min_prompt_bucket)):
             if value < 1:
                 raise ValueError(f"JaxSampler {name} must be >= 1, got {value}")
+        if round_tokens < 0:
+            raise ValueError(f"JaxSampler round_tokens must be >= 0 (0 = no rounds), got {round_tokens}")
+        self.round_tokens = round_tokens
+        self.cache_shapes: list[tuple[int, int]] = []
         self.vocab_size = config.vocab_size
+        self._layer_types = config.layer_types
         self.max_batch = max_batch
         self.min_prompt_bucket = min_prompt_bucket
         self.mesh = mesh
@@ -218,6 +226,7 @@ class JaxSampler(RolloutEngine):
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
         self._check_weights()
         arrays = self._check_prompts(prompts, params)
+        self.cache_shapes = []
         jobs = [(i, j) for i in range(len(arrays)) for j in range(n)]
         results: list[list[Sample | None]] = [[None] * n for _ in arrays]
         for start in range(0, len(jobs), self.max_batch):
@@ -250,13 +259,13 @@ class JaxSampler(RolloutEngine):
     def _continue(self, plan: Continuation, prompts: list[np.ndarray], params: SamplingParams):
         """(samples, kept cache) of one call that continues the kept cache along ``plan``, or
         (None, None) when the grown cache would not fit ``max_cache_len``."""
-        rows, width = _bucket(len(prompts), 1), _bucket(max(c.size for c in plan.chunks), 1)
-        new_bucket = _bucket(params.max_new_tokens, 1)
+        rows, width = power_of_two(len(prompts), 1), power_of_two(max(c.size for c in plan.chunks), 1)
+        new_bucket = power_of_two(params.max_new_tokens, 1)
         kept = self._turns.cache
         need = self._turns.index + width + new_bucket
         if need > self.max_cache_len:
             return None, None
-        cache_len = max(kept.segment_ids.shape[1], min(_bucket(need, 1), self.max_cache_len))
+        cache_len = max(kept.segment_ids.shape[1], min(power_of_two(need, 1), self.max_cache_len))
         take = np.zeros(rows, np.int32)
         take[:len(prompts)] = plan.take
         chunk_ids = np.zeros((rows, width), np.int32)
@@ -304,10 +313,10 @@ class JaxSampler(RolloutEngine):
         cache rows) for ``sequences`` sequences of ``distinct`` prompts, the longest of ``longest`` tokens."""
         # Decode writes cache rows prompt_bucket .. prompt_bucket + max_new_tokens - 1: shrink the
         # bucket when a power of two would run past the cache (the prompt check keeps it >= longest).
-        prompt_bucket = min(_bucket(longest, self.min_prompt_bucket), self.max_cache_len - max_new_tokens)
-        new_bucket = _bucket(max_new_tokens, 1)
+        prompt_bucket = min(power_of_two(longest, self.min_prompt_bucket), self.max_cache_len - max_new_tokens)
+        new_bucket = power_of_two(max_new_tokens, 1)
         cache_len = min(prompt_bucket + new_bucket, self.max_cache_len)
-        return _bucket(sequences, 1), _bucket(distinct, 1), prompt_bucket, new_bucket, cache_len
+        return power_of_two(sequences, 1), power_of_two(distinct, 1), prompt_bucket, new_bucket, cache_len
 
     def lower(self, sequences: int, distinct: int, longest: int, max_new_tokens: int):
         """``jax.jit(...).lower`` of the prefill + decode program one call runs (the shapes of ``_shapes``)
@@ -330,7 +339,7 @@ class JaxSampler(RolloutEngine):
         """The samples of one jitted call, and with ``keep_cache`` its cache (else None)."""
         # One prefill per distinct prompt (a GRPO group's samples share theirs).
         distinct = {i: None for i, _ in ids}
-        rows, prompt_rows, prompt_bucket, new_bucket, cache_len = self._shapes(
+        rows, prompt_rows, prompt_bucket, new_bucket, _ = self._shapes(
             len(prompts), len(distinct), max(p.size for p in prompts), params.max_new_tokens)
         index = {i: u for u, i in enumerate(distinct)}
         first_row = {i: r for r, (i, _) in reversed(list(enumerate(ids)))}
@@ -348,11 +357,23 @@ class JaxSampler(RolloutEngine):
         args = (prompt_ids, prompt_lengths, row_prompts, keys)
         if self.mesh is not None:
             args = jax.device_put(args, batch_shardings(args, self.mesh))
+        schedule = round_schedule(new_bucket, 0 if keep_cache else self.round_tokens)
+        first_rows = schedule[0][1]
+        first_len = min(prompt_bucket + first_rows, self.max_cache_len)
+        self.cache_shapes.append((rows, first_len))
         outputs, kept = self._call(lambda: _generate_jit(self._graphdef, self._state, *args, *self._scalars(params),
-                                                         new_token_bucket=new_bucket, cache_len=cache_len,
-                                                         keep_cache=keep_cache))
-        # to_host, not device_get: with several processes the outputs span all of them.
-        tokens, raw, processed, lengths, stopped, routes, prompt_routes = distributed.to_host(outputs)
+                                                         new_token_bucket=first_rows, cache_len=first_len,
+                                                         keep_cache=keep_cache or len(schedule) > 1))
+        if len(schedule) > 1:
+            start_positions = np.where(row_prompts >= 0, prompt_lengths[np.maximum(row_prompts, 0)], 0)
+            generation = self._rounds(outputs[:6], kept, schedule, params, start_positions, np.asarray(keys),
+                                      prompt_bucket)
+            kept = None  # rounds run only without keep_cache
+            tokens, raw, processed, lengths, stopped, routes = generation.outputs()
+            prompt_routes = distributed.to_host(outputs[6])
+        else:
+            # to_host, not device_get: with several processes the outputs span all of them.
+            tokens, raw, processed, lengths, stopped, routes, prompt_routes = distributed.to_host(outputs)
         samples = self._samples(prompts, params, tokens, raw, processed, lengths, stopped)
         if routes is not None:
             for r, (sample, p) in enumerate(zip(samples, prompts, strict=True)):
@@ -360,6 +381,28 @@ class JaxSampler(RolloutEngine):
                 # Left padding: the prompt fills the last p.size slots; the last one is routes[r, 0].
                 sample.prompt_routed_experts = prompt_routes[r, prompt_bucket - p.size:prompt_bucket - 1].copy()
         return samples, kept
+
+    def _rounds(self, first_round, kept, schedule, params, start_positions, keys, prompt_bucket):
+        """The later rounds of a long generation whose round 0 gave ``first_round`` and ``kept``."""
+        scalars, layer_types = self._scalars(params), self._layer_types
+
+        def run(kept, take, done, positions, keys, first_step, *, cache_len, **shapes):
+            args = (done, positions, keys)
+            if self.mesh is not None:
+                args = jax.device_put(args, batch_shardings(args, self.mesh))
+            cache, last_routes, logits = kept
+            cache = self._call(lambda: regrown(cache, take, cache_len, layer_types))
+            out = self._call(lambda: round_jit(self._graphdef, self._state, cache, logits, last_routes, take, *args,
+                                               first_step, *scalars, **shapes))
+            for x in (logits, last_routes):  # read by the round (its rows gathered): freed now, not at the end
+                if x is not None:
+                    x.delete()
+            return out
+
+        return decode_rounds(first_round, kept, schedule, run=run, start_positions=start_positions, keys=keys,
+                             max_new_tokens=params.max_new_tokens,
+                             cache_rows=lambda new_rows: min(prompt_bucket + new_rows, self.max_cache_len),
+                             on_round=lambda rows, cache_len: self.cache_shapes.append((rows, cache_len)))
 
     def _call(self, fn):
         """``fn()`` under the sampler's mesh, if any."""

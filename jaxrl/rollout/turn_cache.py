@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl.rollout.base import Conversation
-from jaxrl.rollout.decode import decode_loop, forget_unwritten
+from jaxrl.rollout.decode import decode_loop, forget_unwritten, gather_rows
 
 
 def keeps_turns(config) -> bool:
@@ -75,8 +75,8 @@ class TurnCache:
     def after(cls, kept: tuple, prompts: Sequence[np.ndarray], outputs: Sequence[np.ndarray],
               version: str) -> "TurnCache":
         """What a call over ``prompts`` that generated ``outputs`` (row r: prompt r) keeps:
-        ``kept`` = (cache, last routes or None) from the jitted call."""
-        cache, last_routes = kept
+        ``kept`` = (cache, last routes or None, ...) from the jitted call."""
+        cache, last_routes = kept[:2]
         tokens = [np.concatenate([p, o]).astype(np.int32) for p, o in zip(prompts, outputs, strict=True)]
         return cls(cache, last_routes, {t.tobytes(): r for r, t in enumerate(tokens)},
                    np.array([t.size for t in tokens]), int(jax.device_get(cache.index)), version)
@@ -112,12 +112,7 @@ def _continue(graphdef, state, cache, last_routes, take, chunk_ids, chunk_length
     from flax import nnx
 
     model = nnx.merge(graphdef, state)
-
-    def grow(x):
-        x = jnp.take(x, take, axis=0)
-        return jnp.pad(x, [(0, 0), (0, cache_len - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
-
-    cache = cache._replace(layers=jax.tree.map(grow, cache.layers), segment_ids=grow(cache.segment_ids))
+    cache = gather_rows(cache, take, cache_len, model.config.layer_types)
     width = chunk_ids.shape[1]
     pad = (width - chunk_lengths)[:, None]
     slots = jnp.arange(width, dtype=jnp.int32)[None, :]

@@ -143,12 +143,22 @@ def stopping_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def run(config, resume=False):
-    """(metrics rows, final params, {step: (samples, the recompute's batch)})."""
+def run(config, resume=False, cache_shapes=None):
+    """(metrics rows, final params, {step: (samples, the recompute's batch)}); ``cache_shapes``, a list,
+    receives the embedded sampler's ``cache_shapes`` of each generate call."""
     recorded = {}
     recompute = recompute_stage.recompute
     trainer = RLTrainer(config, resume=resume)
     take = trainer.stage("rollout").queue.take
+    if cache_shapes is not None:
+        generate = trainer.engine.generate
+
+        def generating(*args, **kwargs):
+            out = generate(*args, **kwargs)
+            cache_shapes.append(trainer.engine.cache_shapes)
+            return out
+
+        trainer.engine.generate = generating
 
     def taking(index):
         batch = take(index)
@@ -217,6 +227,32 @@ def test_carried_samples_keep_each_tokens_version_and_behaviour_logprob(files, t
     assert np.median(older) > 1e-3
 
 
+def test_rounds_reach_the_sampler_and_sample_what_one_call_samples(files, tmp_path, stopping_checkpoint):
+    """rollout.round_tokens reaches the embedded sampler: with 1, each partial call of 2 new tokens runs
+    two rounds, the second over the unfinished samples only (with 0, one call). The samples are the
+    same token for token, and the tokens of the current weights match the learner's recompute."""
+    shapes, samples = {}, {}
+    for round_tokens in (0, 1):
+        shapes[round_tokens] = []
+        config = make_config(files, tmp_path / str(round_tokens), steps=2, model={"hf_path": stopping_checkpoint},
+                             rollout={**PARTIAL, "round_tokens": round_tokens})
+        _, _, recorded = run(config, cache_shapes=shapes[round_tokens])
+        samples[round_tokens] = recorded
+    assert all(len(call) == 1 for call in shapes[0])
+    rounds = [call for call in shapes[1] if len(call) == 2]
+    assert rounds and any(second[0] < first[0] for first, second in rounds)  # finished samples left the batch
+    for index, (step_samples, batch) in samples[1].items():
+        flat = [s for group in step_samples for s in group]
+        reference = [s for group in samples[0][index][0] for s in group]
+        for sample, expected in zip(flat, reference, strict=True):
+            np.testing.assert_array_equal(sample.output_ids, expected.output_ids)
+        generated, old_logp = np.asarray(batch.generated), np.asarray(batch.old_logp)
+        engine = np.asarray(batch.rollout_logp)
+        for row, sample in enumerate(flat):
+            gap = np.abs(engine[row][generated[row]] - old_logp[row][generated[row]])
+            assert np.max(gap[sample.output_versions == index - 1], initial=0.0) < 1e-4
+
+
 def test_resume_with_groups_in_flight_reproduces_the_straight_run(files, tmp_path, stopping_checkpoint):
     checkpoint = {"every": 1, "keep": 2}
     model = {"hf_path": stopping_checkpoint}
@@ -241,6 +277,7 @@ def test_resume_with_groups_in_flight_reproduces_the_straight_run(files, tmp_pat
     ({"rollout": {"partial_tokens": 2, "dynamic_sampling": True}}, "rollout.dynamic_sampling"),
     ({"rollout": {"partial_tokens": 2, "partial_groups": 2}}, "rollout.partial_groups"),
     ({"rollout": {"partial_tokens": 2}, "advantage": {"estimator": "remax"}}, "greedy baseline"),
+    ({"rollout": {"round_tokens": -1}}, "rollout.round_tokens must be >= 0"),
 ])
 def test_partial_rollouts_refuse_what_they_cannot_combine_with(files, tmp_path, sections, key):
     with pytest.raises(ValueError, match=key):
