@@ -33,7 +33,7 @@ from jaxrl.models.config import ModelConfig
 from jaxrl.models.layers import F32, MLP, Attention, RMSNorm, make_param, write_rows
 from jaxrl.models.moe import MoE
 from jaxrl.models.linear_layers import GatedDeltaNet, LightningAttention
-from jaxrl.models.lm_head import token_logprobs_and_entropy
+from jaxrl.models.lm_head import sharded_token_logprobs_and_entropy
 from jaxrl.models.sharding import constrain
 
 # Attention kind (ModelConfig.layer_types entry: the keys are config.ATTENTION_KIND_NAMES) -> module
@@ -310,11 +310,11 @@ class Decoder(nnx.Module):
     def token_logprobs(self, input_ids, positions, segment_ids, targets, *, chunk_size: int = 1024,
                        vocab_chunk_size: int | None = 32768, routed_experts: jax.Array | None = None):
         """log p(targets) and next-token entropy, each [B, T] float32, via the chunked LM head
-        (`jaxrl.models.lm_head.token_logprobs_and_entropy`), plus the DecoderOutput;
+        (`jaxrl.models.lm_head`, each device on its own tokens), plus the DecoderOutput;
         ``routed_experts`` as in ``__call__`` (routing replay)."""
         out = self(input_ids, positions, segment_ids, routed_experts=routed_experts)
         dtype = self.config.compute_dtype
-        logp, entropy = token_logprobs_and_entropy(
+        logp, entropy = sharded_token_logprobs_and_entropy(
             out.hidden.astype(dtype), self.lm_head_weight().astype(dtype), targets,
             chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
         return logp, entropy, out

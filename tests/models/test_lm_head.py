@@ -5,12 +5,16 @@ References are numpy float64 closed forms and autodiff of the naive (full-logits
 computation.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxrl.models.lm_head import token_logprobs_and_entropy
+from jaxrl.models.lm_head import sharded_token_logprobs_and_entropy, token_logprobs_and_entropy
+from jaxrl.models.sharding import MeshConfig, make_mesh
 
 
 def _np_log_softmax(z):
@@ -135,6 +139,43 @@ def test_chunked_head_never_holds_full_logits():
     naive = temp_bytes(_naive)
     assert naive >= full_logits_bytes  # the reference does hold it
     assert chunked < full_logits_bytes / 4, (chunked, full_logits_bytes)
+
+
+@pytest.mark.parametrize("mesh_shape", [{"data": 2, "fsdp": 2, "sequence": 2}, {"fsdp": 8}, {"fsdp": 2, "tensor": 4}])
+def test_on_a_mesh_each_device_runs_the_head_on_its_own_tokens(mesh_shape):
+    """Left to XLA's partitioner, the token-chunk loop indexes a sharded axis: every device gathers
+    the whole batch's hidden states and runs the head on all of it. The sharded head gathers
+    nothing: each device loops over its own chunks, and the LM head's gradient is summed once
+    (one all-reduce); values and gradients equal one device's."""
+    batch, length, dim, vocab = 8, 64, 16, 300
+    keys = jax.random.split(jax.random.key(1), 4)
+    hidden = jax.random.normal(keys[0], (batch, length, dim))
+    lm_head = jax.random.normal(keys[1], (dim, vocab))
+    bias = jax.random.normal(keys[2], (vocab,))
+    targets = jax.random.randint(keys[3], (batch, length), 0, vocab)
+    weights = jnp.arange(batch * length, dtype=jnp.float32).reshape(batch, length) / (batch * length)
+
+    def gradient(head):
+        def loss(h, w, b):
+            logp, entropy = head(h, w, targets, chunk_size=16, vocab_chunk_size=128, bias=b)
+            return jnp.sum(logp * weights) + jnp.sum(entropy ** 2), (logp, entropy)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+    want = gradient(token_logprobs_and_entropy)(hidden, lm_head, bias)
+    mesh = make_mesh(MeshConfig(**mesh_shape))
+    token_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp", "expert"), "sequence"))
+    on_mesh = (jax.device_put(hidden, NamedSharding(mesh, PartitionSpec(*token_sharding.spec, None))), lm_head, bias)
+    collectives = {}
+    with jax.set_mesh(mesh):
+        got = gradient(sharded_token_logprobs_and_entropy)(*on_mesh)
+        for name, head in (("sharded", sharded_token_logprobs_and_entropy),
+                           ("partitioner", token_logprobs_and_entropy)):
+            text = gradient(head).lower(*on_mesh).compile().as_text()
+            collectives[name] = {op: len(re.findall(rf"= \S+ {op}\(", text)) for op in ("all-gather", "all-reduce")}
+    for expected, actual in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+    assert collectives["sharded"] == {"all-gather": 0, "all-reduce": 1}, collectives
+    assert collectives["partitioner"]["all-gather"] > 0, collectives  # what the sharded head avoids
 
 
 def test_bad_input_names_the_argument():
