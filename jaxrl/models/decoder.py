@@ -315,6 +315,6 @@ class Decoder(nnx.Module):
         out = self(input_ids, positions, segment_ids, routed_experts=routed_experts)
         dtype = self.config.compute_dtype
         logp, entropy = sharded_token_logprobs_and_entropy(
-            out.hidden.astype(dtype), self.lm_head_weight().astype(dtype), targets,
+            out.hidden.astype(dtype), self.lm_head_weight(), targets, compute_dtype=dtype,
             chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
         return logp, entropy, out

@@ -243,25 +243,29 @@ def token_logprobs_and_entropy(
 
 
 def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
-                                       bias: jax.Array | None = None, **options) -> tuple[jax.Array, jax.Array]:
+                                       bias: jax.Array | None = None, compute_dtype=None,
+                                       **options) -> tuple[jax.Array, jax.Array]:
     """:func:`token_logprobs_and_entropy` on each device's own tokens under the current mesh.
 
     ``hidden`` ``[B, T, D]`` and ``targets`` ``[B, T]`` are split as the ``batch`` and ``length``
     logical axes are (``jaxrl.models.sharding``); each device runs the chunked head on its
     ``[B / b, T / t]`` block with the whole LM head (the tensor axis's vocabulary shards are
     gathered, as the unsharded head needs too), and the LM head's gradient is summed over the
-    devices once, after the loop. Per-token values do not depend on the split; ``chunk_size``
-    counts a device's tokens. Without a mesh (or with one that splits neither axis) it is
-    :func:`token_logprobs_and_entropy`.
+    devices once, after the loop, in ``lm_head``'s own dtype: pass the parameter (float32) and
+    ``compute_dtype`` (e.g. bfloat16, what the matmuls take; the cast happens on each device), so
+    the devices' partial gradients are not summed in bfloat16. Per-token values do not depend on
+    the split; ``chunk_size`` counts a device's tokens. Without a mesh that splits the tokens it
+    is :func:`token_logprobs_and_entropy` of the cast head.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    spec = None if mesh.empty else logical_to_spec(("batch", "length"), targets.shape, mesh)
-    if spec is None or all(axes is None for axes in spec):
-        return token_logprobs_and_entropy(hidden, lm_head, targets, bias=bias, **options)
-
     def per_device(h, w, y, b):
+        w = w if compute_dtype is None else w.astype(compute_dtype)
         return token_logprobs_and_entropy(h, w, y, bias=b, **options)
 
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = None if mesh.empty else logical_to_spec(("batch", "length"), targets.shape, mesh)
+    axes = [axis for entry in (spec or ()) if entry for axis in ((entry,) if isinstance(entry, str) else entry)]
+    if not axes or all(mesh.shape[axis] == 1 for axis in axes):
+        return per_device(hidden, lm_head, targets, bias)
     whole = PartitionSpec()
     return jax.shard_map(per_device, in_specs=(PartitionSpec(*spec, None), whole, spec, whole),
                          out_specs=(spec, spec), check_vma=False)(hidden, lm_head, targets, bias)

@@ -178,6 +178,30 @@ def test_on_a_mesh_each_device_runs_the_head_on_its_own_tokens(mesh_shape):
     assert collectives["partitioner"]["all-gather"] > 0, collectives  # what the sharded head avoids
 
 
+def test_on_a_mesh_bfloat16_compute_sums_the_devices_gradients_in_the_heads_dtype():
+    """``compute_dtype``: the matmuls take bfloat16 on each device, and the head's gradient is summed
+    over the devices in the float32 of the head passed in (a bfloat16 head would sum eight bfloat16
+    partials): it equals one device's float32-accumulated gradient to one bfloat16 rounding."""
+    batch, length, dim, vocab = 8, 32, 16, 300
+    keys = jax.random.split(jax.random.key(2), 3)
+    hidden = jax.random.normal(keys[0], (batch, length, dim)).astype(jnp.bfloat16)
+    lm_head = jax.random.normal(keys[1], (dim, vocab))
+    targets = jax.random.randint(keys[2], (batch, length), 0, vocab)
+
+    def head_gradient(h, w):
+        logp, entropy = sharded_token_logprobs_and_entropy(h, w, targets, compute_dtype=jnp.bfloat16,
+                                                           chunk_size=16, vocab_chunk_size=128)
+        return jnp.sum(logp) + jnp.sum(entropy)
+
+    want = jax.jit(jax.grad(head_gradient, argnums=1))(hidden, lm_head)  # no mesh: one device
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    with jax.set_mesh(mesh):
+        rows = jax.device_put(hidden, NamedSharding(mesh, PartitionSpec("fsdp")))
+        got = jax.jit(jax.grad(head_gradient, argnums=1))(rows, lm_head)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * float(jnp.max(jnp.abs(want))))
+
+
 def test_bad_input_names_the_argument():
     h, w, y = jnp.zeros((2, 3, 4)), jnp.zeros((4, 5)), jnp.zeros((2, 3), jnp.int32)
     with pytest.raises(ValueError, match="lm_head"):
