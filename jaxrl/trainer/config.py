@@ -106,7 +106,7 @@ class UpdateConfig:
     learner's own arrays, raw logprobs, one mini-batch, nothing in the objective that needs the
     learner-versus-engine ratio; docs/training.md#skipping-a-redundant-recompute), "always" keeps it.
     reference_metrics: compute the reference model's logprobs for the KL metrics even when the objective has no KL term.
-    logprob_chunk_size: tokens per chunk of the learner's LM head (logprobs and entropy are
+    logprob_chunk_size: tokens per chunk of the learner's LM head on each device (logprobs and entropy are
     computed chunk by chunk, never as a whole ``[B, T, V]`` logits array).
     pack: the learner's forwards (the recompute and the update) run on rows that hold several
     samples each (``jaxrl.models.packing``): the same losses, less compute on padding.
@@ -309,7 +309,9 @@ class TrainConfig:
     mesh takes the first devices, the servers see every GPU). ``filter``: the
     section of ``jaxrl filter`` only (docs/evaluation.md#the-pass-rate-filter). ``judges``: name ->
     the SGLang fleet of a judge model, which ``reward.tasks.<task>.judge.server`` names
-    (docs/training.md#generative-verifier-rewards)."""
+    (docs/training.md#generative-verifier-rewards). ``compile_cache_dir``: JAX's persistent
+    compilation cache, so a rerun or a resumed run loads its compiled programs ("" turns it off;
+    ``JAX_COMPILATION_CACHE_DIR`` wins; docs/training.md#compiled-programs-are-cached)."""
 
     output_dir: str
     model: PolicyConfig
@@ -317,6 +319,7 @@ class TrainConfig:
     steps: int = 100
     seed: int = 0
     hardware: str = ""
+    compile_cache_dir: str = "~/.cache/jaxrl/xla"
     mesh: MeshConfig = MeshConfig()
     placement: PlacementConfig | None = None
     reward: RewardConfig = RewardConfig()

@@ -92,7 +92,7 @@ class _Setup:
         from jaxrl.models import make_mesh
         from jaxrl.rollout.config import make_engine
         from jaxrl.trainer.judges import build_reward_router
-        from jaxrl.trainer.model import build_model, check_vocabulary
+        from jaxrl.trainer.model import build_model, check_vocabulary, use_compile_cache
 
         config = self.config
         self.tokenizer = load_tokenizer(config.data.tokenizer)
@@ -102,6 +102,7 @@ class _Setup:
         examples, self.report = load_examples(examples_files, config.data, self.tokenizer,
                                               row_check=self.router.row_problem)
         self.examples = examples[:max_prompts] if max_prompts else examples
+        use_compile_cache(config.compile_cache_dir)
         mesh = make_mesh(config.mesh)
         model = build_model(config.model, mesh)
         self.model_source = config.model.hf_path or "random init"

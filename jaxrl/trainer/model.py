@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import jax
 from flax import nnx
@@ -15,6 +16,30 @@ from jaxrl.models import Decoder, ModelConfig, create_sharded_model, load_hf_che
 from jaxrl.models.hf import read_hf_config
 from jaxrl.models.attention import packed_rows_impl
 from jaxrl.models.packing import shared_prefix_blocker
+
+
+def use_compile_cache(directory: str) -> str | None:
+    """Points JAX's persistent compilation cache at ``directory`` (``compile_cache_dir``), so a
+    rerun of a config, a resumed run or another process with the same programs loads them instead
+    of compiling; returns the folder in use (None: no cache). A cache JAX already has
+    (``JAX_COMPILATION_CACHE_DIR``, ``jax.config.update``) is left as it is; an unusable folder
+    warns and the run goes on without one. JAX caches the programs that took at least
+    ``jax_persistent_cache_min_compile_time_secs`` (1 s) to compile."""
+    current = jax.config.jax_compilation_cache_dir
+    if current or not directory:
+        return current or None
+    path = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is not writable")
+    except OSError as e:
+        logging.getLogger(__name__).warning("compile_cache_dir=%s cannot be used (%s): compiling without a cache; "
+                                            "set compile_cache_dir to a writable folder, or '' to turn it off",
+                                            directory, e)
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
 
 
 def learner_mesh(config) -> jax.sharding.Mesh:

@@ -27,7 +27,7 @@ from jaxrl.trainer.learner import Learner
 from jaxrl.trainer.learning_watch import LearningWatch
 from jaxrl.trainer.lifecycle import COMPLETIONS, check_fresh_start, open_run, run_loop
 from jaxrl.trainer.metrics import StageClock
-from jaxrl.trainer.model import check_vocabulary, has_experts, learner_mesh
+from jaxrl.trainer.model import check_vocabulary, has_experts, learner_mesh, use_compile_cache
 from jaxrl.trainer.stages import (Stage, StepContext, StepRecord, build_stages, frozen_policy_steps,
                                   objective_for_run, sampler_batch)
 from jaxrl.trainer.stages.rollout import sampling_params, sampling_seed
@@ -66,6 +66,7 @@ class RLTrainer:
         self.iterator = BatchIterator(self.examples, config.rollout.prompts_per_step, seed=data.seed,
                                       shuffle=data.shuffle, mixture=data.mixture, mixture_field=data.mixture_field)
         self.envs = EnvRouter(config.env, self.tokenizer) if config.env is not None else None
+        use_compile_cache(config.compile_cache_dir)
         self.mesh = learner_mesh(config)
         distributed.host_memory.keep_freed_memory(self.mesh)
         self.objective, why = objective_for_run(config, builds_engine=engine is None,

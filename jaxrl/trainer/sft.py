@@ -24,7 +24,7 @@ from jaxrl.distributed import host_memory
 from jaxrl.losses.aggregation import aggregate_loss
 from jaxrl.models.sharding import batch_devices, batch_shardings, sequence_row_length
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
-from jaxrl.trainer.model import build_model, check_vocabulary, learner_mesh
+from jaxrl.trainer.model import build_model, check_vocabulary, learner_mesh, use_compile_cache
 from jaxrl.trainer.config import TrainConfig
 from jaxrl.trainer.guard import UpdateGuard
 from jaxrl.trainer.lifecycle import check_fresh_start, open_run, run_loop
@@ -59,6 +59,7 @@ class SFTTrainer:
         lengths = np.asarray([len(e.prompt_ids) + len(e.response_ids) for e in self.examples])
         self.too_long = int((lengths > config.sft.stages[-1].max_length).sum())
         self.lengths = lengths
+        use_compile_cache(config.compile_cache_dir)
         self.mesh = learner_mesh(config)
         host_memory.keep_freed_memory(self.mesh)
         model = build_model(config.model, self.mesh, packed_rows=config.sft.pack)

@@ -131,3 +131,46 @@ def test_jitted_step_statistics_equal_the_op_by_op_values():
         eager_adv, _ = ADVANTAGE_ESTIMATORS["grpo"](jnp.asarray(scores), mask=jnp.asarray(valid), group_size=4,
                                                     std_min=0.1, std_max=1e6, ddof=1)
     np.testing.assert_allclose(jitted, np.asarray(eager_adv), rtol=1e-6, atol=1e-7)
+
+
+COMPILE_CACHE_RUNS = """
+import logging, os, sys
+import jax
+from jaxrl.trainer.model import use_compile_cache
+from jaxrl.trainer.rl import RLTrainer
+from test_loop import make_config, write_demo_files
+
+root, cache = sys.argv[1], sys.argv[2]
+assert use_compile_cache("") is None and not jax.config.jax_compilation_cache_dir  # "" turns it off
+files = write_demo_files(os.path.join(root, "demo"), max_operand=10, heldout=10)
+for run in ("first", "second"):
+    logging.warning("RUN %s", run)
+    trainer = RLTrainer(make_config(files, os.path.join(root, run), steps=1, compile_cache_dir=cache))
+    trainer.run()
+    trainer.close()
+    jax.clear_caches()  # the second run starts as a new process would: nothing compiled in memory
+"""
+
+
+def test_compile_cache_dir_lets_a_rerun_load_its_programs(tmp_path):
+    """``compile_cache_dir``: the first run compiles and stores its programs there; a second run of
+    the same config (a rerun, or a resume) loads the sampler and the train step from it (JAX logs
+    each persistent-cache hit with ``JAX_LOG_COMPILES``). Run in a process without the suite's
+    own cache; JAX's threshold is lowered so the tiny model's programs are stored."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(JAX_LOG_COMPILES="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")]))
+    cache = tmp_path / "cache" / "xla"
+    done = subprocess.run([sys.executable, "-c", COMPILE_CACHE_RUNS, str(tmp_path), str(cache)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, second = done.stderr.split("RUN second")
+    assert "RUN first" in first and "Persistent compilation cache hit" not in first
+    for program in ("jit__generate", "jit__step"):
+        assert f"Persistent compilation cache hit for '{program}'" in second, (program, second[-4000:])
+    assert any(cache.iterdir())
