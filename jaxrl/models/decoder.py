@@ -135,9 +135,10 @@ def load_balancing_loss(probs: list[jax.Array], experts: list[jax.Array], mask: 
     return num_experts * jnp.sum((counts / rows) * (prob_sums / rows))
 
 
-def stack_blocks(blocks) -> tuple[nnx.GraphDef, nnx.State]:
+def stack_blocks(blocks, compute_dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """The blocks' shared graph and their weights stacked on a new leading axis (that axis unsharded;
-    each weight keeps its own logical sharding). ValueError when the blocks differ in structure."""
+    each weight keeps its own logical sharding); weights every use casts to the compute dtype
+    (`make_param(compute_cast=True)`) are stacked in it. ValueError when the blocks differ in structure."""
     split = [nnx.split(block) for block in blocks]
     graphdef = split[0][0]
     for i, (other, _) in enumerate(split[1:], start=1):
@@ -147,7 +148,8 @@ def stack_blocks(blocks) -> tuple[nnx.GraphDef, nnx.State]:
                              "per-depth constants)")
 
     def stack(*variables: nnx.Variable) -> nnx.Variable:
-        value = jnp.stack([v[...] for v in variables])
+        cast = variables[0].get_metadata().get("compute_cast", False)
+        value = jnp.stack([v[...].astype(compute_dtype) if cast else v[...] for v in variables])
         return variables[0].replace(constrain(value, (None, *variables[0].logical_axes)))
 
     return graphdef, jax.tree.map(stack, *(state for _, state in split),
@@ -278,11 +280,12 @@ class Decoder(nnx.Module):
         """The full forward's blocks as one ``lax.scan`` over their weights stacked on a leading layer
         axis (``ModelConfig.scan_layers``, MaxText's ``scan_layers``): XLA compiles one block body, so
         compile time and the compiler's memory no longer grow with depth. The stacking copies the
-        blocks' weights once per forward (and their gradient once per backward); the parameter tree
+        blocks' weights once per forward (and their gradient once per backward), the matrices in the
+        compute dtype (`stack_blocks`: a 30B-A3B train step needed 14.7 GiB less per H100); the parameter tree
         stays per layer, so checkpoints, weight pushes and HF loading do not change.
         Returns (h, (probs, experts, z terms) each stacked [L, ...] or None, (attn, mlp, out) stacked
         [L, B, T, D] when ``capture`` else None)."""
-        graphdef, stacked = stack_blocks(self.layers)
+        graphdef, stacked = stack_blocks(self.layers, self.config.compute_dtype)
         routes = None if routed_experts is None else jnp.moveaxis(routed_experts, 2, 0)  # [L, B, T, k]
 
         def body(h, layer):

@@ -28,13 +28,16 @@ INIT_STD = 0.02  # transformers' initializer_range for Qwen3
 
 
 def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], logical_axes: tuple[str | None, ...], dtype,
-               *, ones: bool = False) -> nnx.Param:
-    """A parameter of `shape` annotated with one logical axis name per dimension."""
+               *, ones: bool = False, compute_cast: bool = False) -> nnx.Param:
+    """A parameter of `shape` annotated with one logical axis name per dimension. `compute_cast`: every
+    use casts it to the compute dtype first (`matmul`, the experts' grouped matmul), so scanned layers
+    may stack it in that dtype (`decoder.stack_blocks`): the same values forward and the same
+    gradient, for half the stacked copy's memory when the parameters are float32."""
     if len(shape) != len(logical_axes):
         raise ValueError(f"parameter shape {shape} and logical axes {logical_axes} differ in rank")
     value = (jnp.ones(shape, dtype) if ones
              else (INIT_STD * jax.random.normal(rngs.params(), shape, F32)).astype(dtype))
-    return nnx.Param(value, logical_axes=tuple(logical_axes))
+    return nnx.Param(value, logical_axes=tuple(logical_axes), compute_cast=compute_cast)
 
 
 def matmul(x: jax.Array, w: jax.Array, dims: str, dtype) -> jax.Array:
@@ -118,12 +121,14 @@ class Attention(nnx.Module):
         c, pd = config, config.weight_dtype
         self.config = config
         q_width = 2 * c.head_dim if c.attention_output_gate else c.head_dim
-        self.q_proj = make_param(rngs, (c.hidden_size, c.num_heads, q_width), ("embed", "heads", "head_dim"), pd)
+        self.q_proj = make_param(rngs, (c.hidden_size, c.num_heads, q_width), ("embed", "heads", "head_dim"), pd,
+                                 compute_cast=True)
         self.k_proj = make_param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim),
-                                 ("embed", "kv_heads", "head_dim"), pd)
+                                 ("embed", "kv_heads", "head_dim"), pd, compute_cast=True)
         self.v_proj = make_param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim),
-                                 ("embed", "kv_heads", "head_dim"), pd)
-        self.o_proj = make_param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), pd)
+                                 ("embed", "kv_heads", "head_dim"), pd, compute_cast=True)
+        self.o_proj = make_param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), pd,
+                                 compute_cast=True)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs, offset=c.norm_weight_offset)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs, offset=c.norm_weight_offset)
@@ -180,9 +185,9 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int, *, rngs: nnx.Rngs):
         pd, d = config.weight_dtype, config.hidden_size
         self.dtype = config.compute_dtype
-        self.gate_proj = make_param(rngs, (d, intermediate_size), ("embed", "mlp"), pd)
-        self.up_proj = make_param(rngs, (d, intermediate_size), ("embed", "mlp"), pd)
-        self.down_proj = make_param(rngs, (intermediate_size, d), ("mlp", "embed"), pd)
+        self.gate_proj = make_param(rngs, (d, intermediate_size), ("embed", "mlp"), pd, compute_cast=True)
+        self.up_proj = make_param(rngs, (d, intermediate_size), ("embed", "mlp"), pd, compute_cast=True)
+        self.down_proj = make_param(rngs, (intermediate_size, d), ("mlp", "embed"), pd, compute_cast=True)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = matmul(x, self.gate_proj[...], "...d,di->...i", self.dtype)

@@ -32,6 +32,18 @@ def ragged_dot_is_sparse() -> bool:
 
 
 GATHER_BYTES = 256 << 20  # the expert weights the blocked grouped matmul gathers at once
+# Expert parallelism runs the gathered assignments in this many chunks per expert shard: the device's
+# share (about 1/ep of them) fills about two, so routing can be uneven by a chunk before a third runs.
+CHUNKS_PER_EXPERT_SHARD = 2
+
+
+def _vary_alike(*arrays: jax.Array) -> list[jax.Array]:
+    """The arrays, each cast to vary over every mesh axis any of them varies over (shard_map's
+    types; no change outside shard_map or without its check)."""
+    varying = [jax.typeof(a).manual_axis_type.varying for a in arrays]
+    axes = set().union(*varying)
+    return [jax.lax.pcast(a, tuple(sorted(axes - vma)), to="varying") if axes - vma else a
+            for a, vma in zip(arrays, varying, strict=True)]
 
 
 class GroupedMatmul:
@@ -117,9 +129,9 @@ class MoE(nnx.Module):
         self.config = config
         e, d, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
         self.router = make_param(rngs, (d, e), ("embed", "expert_router"), pd)
-        self.gate_proj = make_param(rngs, (e, d, i), ("expert", "embed", "expert_mlp"), pd)
-        self.up_proj = make_param(rngs, (e, d, i), ("expert", "embed", "expert_mlp"), pd)
-        self.down_proj = make_param(rngs, (e, i, d), ("expert", "expert_mlp", "embed"), pd)
+        self.gate_proj = make_param(rngs, (e, d, i), ("expert", "embed", "expert_mlp"), pd, compute_cast=True)
+        self.up_proj = make_param(rngs, (e, d, i), ("expert", "embed", "expert_mlp"), pd, compute_cast=True)
+        self.down_proj = make_param(rngs, (e, i, d), ("expert", "expert_mlp", "embed"), pd, compute_cast=True)
         self.shared_expert = (MLP(c, c.shared_expert_intermediate_size, rngs=rngs)
                               if c.shared_expert_intermediate_size else None)
         self.shared_expert_gate = (make_param(rngs, (d, 1), ("embed", None), pd)
@@ -201,11 +213,15 @@ class MoE(nnx.Module):
                              out_specs=(spec, spec, spec), check_vma=False)(
             x, routes, self.router[...], self.gate_proj[...], self.up_proj[...], self.down_proj[...])
 
-    def _experts(self, x_flat, weights, experts, gate_w, up_w, down_w, first_expert) -> jax.Array:
+    def _experts(self, x_flat, weights, experts, gate_w, up_w, down_w, first_expert, chunks=1) -> jax.Array:
         """Contribution of experts `first_expert ...` (as many as `gate_w` holds) to each token.
 
         x_flat [N, D]; weights, experts [N, k]; gate_w, up_w [E_local, D, I]; down_w [E_local, I, D].
-        Assignments to other experts sort last and contribute 0. Returns [N, D] float32.
+        Assignments sort by local expert, other experts' last (they contribute 0). With `chunks` > 1
+        the sorted assignments run `ceil(N k / chunks)` at a time and a chunk holding none of this
+        device's skips its matmuls: the buffers are sized for a chunk, not for every assignment,
+        which expert parallelism needs (N k gathered assignments, about 1/ep of them its own).
+        Each chunk adds its tokens' contributions in slot order. Returns [N, D] float32.
         """
         dtype, k = self.config.compute_dtype, self.config.num_experts_per_tok
         local_count = gate_w.shape[0]
@@ -213,18 +229,49 @@ class MoE(nnx.Module):
         mine = (local >= 0) & (local < local_count)
         local = jnp.where(mine, local, local_count)
         order = jnp.argsort(local, stable=True)
-        tokens_sorted = x_flat[order // k]
         group_sizes = jnp.bincount(local, length=local_count + 1)[:local_count].astype(jnp.int32)
-        grouped = GroupedMatmul(group_sizes, tokens_sorted.shape[0], dtype)
-        gate = grouped(tokens_sorted, gate_w)
-        up = grouped(tokens_sorted, up_w)
-        out_sorted = grouped((jax.nn.silu(gate) * up).astype(dtype), down_w)
-        out_sorted = out_sorted * jnp.where(mine, weights.reshape(-1), 0.0)[order][:, None]
-        out = out_sorted[jnp.argsort(order)].reshape(x_flat.shape[0], k, -1)
-        y = out[:, 0]
-        for slot in range(1, k):  # explicit left-to-right slot order
-            y = y + out[:, slot]
-        return y
+        group_ends = jnp.cumsum(group_sizes)
+        chunk = -(-order.shape[0] // chunks)
+        padding = chunks * chunk - order.shape[0]  # past every group: zeros, weight 0
+        order_padded = jnp.pad(order, (0, padding))
+        row_weights = jnp.pad(jnp.where(mine, weights.reshape(-1), 0.0)[order], (0, padding))
+        position = jnp.argsort(order).reshape(x_flat.shape[0], k)  # where assignment (token, slot) sorted to
+
+        def add_chunk(y, start, x_flat, gate_w, up_w, down_w, order_padded, row_weights, position, group_sizes,
+                      group_ends):
+            """y [N, D] f32 plus the contributions of sorted assignments start ... start + chunk."""
+            rows = jax.lax.dynamic_slice_in_dim(order_padded, start, chunk)
+            end = start + chunk
+            sizes = jnp.clip(group_ends, start, end) - jnp.clip(group_ends - group_sizes, start, end)
+            grouped = GroupedMatmul(sizes, chunk, dtype)
+            tokens = x_flat[rows // k]
+            hidden = (jax.nn.silu(grouped(tokens, gate_w)) * grouped(tokens, up_w)).astype(dtype)
+            out = grouped(hidden, down_w) * jax.lax.dynamic_slice_in_dim(row_weights, start, chunk)[:, None]
+            in_chunk = position - start
+            in_chunk = jnp.where((in_chunk >= 0) & (in_chunk < chunk), in_chunk, chunk)  # elsewhere: fill 0
+            for slot in range(k):  # explicit left-to-right slot order, one [N, D] gather a slot
+                y = y + out.at[in_chunk[:, slot]].get(mode="fill", fill_value=0)
+            return y
+
+        y = jnp.zeros(x_flat.shape, F32)
+        if chunks == 1:
+            return add_chunk(y, 0, x_flat, gate_w, up_w, down_w, order_padded, row_weights, position, group_sizes,
+                             group_ends)
+        # The weights' gradients are summed over the chunks in float32 (the weights may come in the
+        # compute dtype, stacked so by scanned layers).
+        gate_w, up_w, down_w = (w.astype(jnp.promote_types(w.dtype, F32)) for w in (gate_w, up_w, down_w))
+        # Inside shard_map every operand varies over the same mesh axes before the loop: otherwise the
+        # backward sums an operand broadcast over an axis (the expert weights over fsdp) inside the
+        # branch, which only the devices whose chunk holds assignments take, and they wait forever.
+        y, *operands = _vary_alike(y, x_flat, gate_w, up_w, down_w, order_padded, row_weights, position, group_sizes,
+                                   group_ends)
+
+        @jax.checkpoint  # the backward recomputes a chunk instead of saving every chunk's buffers
+        def step(y, start):
+            return jax.lax.cond(start < group_ends[-1], lambda y, start: add_chunk(y, start, *operands),
+                                lambda y, start: y, y, start), None
+
+        return jax.lax.scan(step, y, jnp.arange(chunks) * chunk)[0]
 
     def _expert_parallel(self, x: jax.Array, mesh, routes: jax.Array | None = None):
         """Expert parallelism over the mesh axis "expert" (tokens sharded over it as part of "batch").
@@ -232,9 +279,10 @@ class MoE(nnx.Module):
         Each device routes its own tokens, all-gathers tokens and routing over "expert", runs only
         its E / ep local experts on the assignments to them, and a reduce-scatter over "expert"
         sums the experts' contributions and hands every device back its own tokens. Expert
-        weights stay sharded over "expert" (other axes are gathered, FSDP style). Shapes are
-        static, so the blocked (CPU) grouped matmul is sized for all gathered assignments: there
-        EP saves expert-weight memory, not FLOPs; ragged_dot need not touch other experts' rows.
+        weights stay sharded over "expert" (other axes are gathered, FSDP style). The gathered
+        assignments run in `CHUNKS_PER_EXPERT_SHARD` x ep chunks of the expert-sorted order and only
+        chunks holding this device's run their matmuls, so buffers and FLOPs follow the device's share
+        (about 1/ep, plus a chunk for uneven routing), not every gathered assignment; none is dropped.
         Only used when "expert" shards the batch (otherwise XLA partitions the plain path).
         Routes to replay (or None) are sharded like the tokens. Returns (y [B, T, D] f32, probs
         [B, T, E] f32, experts [B, T, k] int32).
@@ -252,7 +300,8 @@ class MoE(nnx.Module):
             probs, weights, experts = self.route(x_flat, router, replay)
             gather = functools.partial(jax.lax.all_gather, axis_name="expert", tiled=True)
             y_all = self._experts(gather(x_flat), gather(weights), gather(experts), gate_w, up_w, down_w,
-                                  jax.lax.axis_index("expert") * local_count)
+                                  jax.lax.axis_index("expert") * local_count,
+                                  chunks=max(1, CHUNKS_PER_EXPERT_SHARD * mesh.shape["expert"]))
             y = jax.lax.psum_scatter(y_all, "expert", scatter_dimension=0, tiled=True)
             return y.reshape(b, t, d), probs.reshape(b, t, -1), experts.reshape(b, t, -1)
 

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxrl.models import Decoder, MeshConfig, ModelConfig, create_sharded_model, make_mesh
+from jaxrl.models.decoder import stack_blocks
 
 DENSE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
                     head_dim=8)
@@ -104,3 +105,26 @@ def test_mixed_layer_kinds_are_refused_naming_the_key():
         DENSE.replace(layer_types=("lightning_attention",) * 3, qk_norm=False, scan_layers=True)
     with pytest.raises(ValueError, match="scan_layers must be true or false"):
         DENSE.replace(scan_layers="yes")
+
+
+def test_matrices_stack_in_the_compute_dtype_and_the_gradients_stay_the_unrolled_ones():
+    """float32 parameters, bfloat16 compute: the matrices every use casts to bfloat16 (projections,
+    MLPs, experts) are stacked in it, half the stacked copy; norms and the router stay float32. The
+    values are those the blocks cast anyway, so the gradients are the unrolled model's."""
+    config = MOE.replace(dtype="bfloat16")
+    unrolled, scanned = pair(config)
+    _, stacked = stack_blocks(scanned.layers, config.compute_dtype)
+    dtypes = {"/".join(str(getattr(key, "key", key)) for key in path): leaf.dtype
+              for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(stacked))}
+    compute = {name for name, dtype in dtypes.items() if dtype == jnp.bfloat16}
+    assert compute == {f"{module}/{weight}" for module, weight in
+                       [("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("attn", "o_proj"),
+                        ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"),
+                        ("mlp/shared_expert", "gate_proj"), ("mlp/shared_expert", "up_proj"),
+                        ("mlp/shared_expert", "down_proj")]}, dtypes
+    assert all(dtypes[name] == jnp.float32 for name in dtypes if name not in compute)
+    grad = nnx.jit(nnx.grad(loss))
+    g1, g2 = grad(unrolled), grad(scanned)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        assert a.dtype == b.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-5)

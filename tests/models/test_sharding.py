@@ -144,3 +144,26 @@ def test_bad_meshes_name_the_numbers(reference):
         shard_model(nnx.clone(model), make_mesh(MeshConfig(tensor=4)))
     with pytest.raises(ValueError, match="MeshConfig.fsdp must be a positive integer, got 0"):
         MeshConfig(fsdp=0)
+
+
+def test_expert_parallel_buffers_follow_the_devices_share(monkeypatch):
+    """Expert parallelism over 4 devices: each device's experts take about a quarter of the gathered
+    token-expert assignments, and its MoE buffers are sized for chunks of them, not for all: the
+    gradient's temporaries are under half those of the layer sized for every assignment (one chunk),
+    whose buffers grow with all the devices' tokens."""
+    from jaxrl.models import moe
+
+    config = CONFIG.replace(hidden_size=64, num_experts_per_tok=4, moe_intermediate_size=128, mlp_types=("moe", "moe"))
+    mesh = make_mesh(MeshConfig(fsdp=2, expert=4))
+    model, _ = create_sharded_model(lambda: Decoder(config, rngs=nnx.Rngs(0)), mesh)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (8, 512)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(512, dtype=np.int32), ids.shape)
+
+    def temp(chunks_per_shard: int) -> int:
+        monkeypatch.setattr(moe, "CHUNKS_PER_EXPERT_SHARD", chunks_per_shard)
+        with jax.set_mesh(mesh):
+            gradient = nnx.jit(nnx.grad(lambda m: jnp.sum(m(ids, positions).hidden ** 2)))
+            return gradient.lower(model).compile().memory_analysis().temp_size_in_bytes
+
+    chunked, whole = temp(2), temp(0)
+    assert chunked < 0.5 * whole, (chunked, whole)
