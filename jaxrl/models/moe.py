@@ -34,6 +34,7 @@ def ragged_dot_is_sparse() -> bool:
 GATHER_BYTES = 256 << 20  # the expert weights the blocked grouped matmul gathers at once
 # Expert parallelism runs the gathered assignments in this many chunks per expert shard: the device's
 # share (about 1/ep of them) fills about two, so routing can be uneven by a chunk before a third runs.
+# 0 runs them as one chunk, sized for every gathered assignment.
 CHUNKS_PER_EXPERT_SHARD = 2
 
 
@@ -237,8 +238,19 @@ class MoE(nnx.Module):
         row_weights = jnp.pad(jnp.where(mine, weights.reshape(-1), 0.0)[order], (0, padding))
         position = jnp.argsort(order).reshape(x_flat.shape[0], k)  # where assignment (token, slot) sorted to
 
-        def add_chunk(y, start, x_flat, gate_w, up_w, down_w, order_padded, row_weights, position, group_sizes,
-                      group_ends):
+        y = jnp.zeros(x_flat.shape, F32)
+        if chunks > 1:
+            # The weights' gradients are summed over the chunks in float32 (the weights may come in
+            # the compute dtype, stacked so by scanned layers).
+            gate_w, up_w, down_w = (w.astype(jnp.promote_types(w.dtype, F32)) for w in (gate_w, up_w, down_w))
+            # Inside shard_map every operand varies over the same mesh axes before the loop: otherwise
+            # the backward sums an operand broadcast over an axis (the expert weights over fsdp) inside
+            # the branch, which only the devices whose chunk holds assignments take: they wait forever.
+            y, x_flat, gate_w, up_w, down_w, order_padded, row_weights, position, group_sizes, group_ends = (
+                _vary_alike(y, x_flat, gate_w, up_w, down_w, order_padded, row_weights, position, group_sizes,
+                            group_ends))
+
+        def add_chunk(y, start):
             """y [N, D] f32 plus the contributions of sorted assignments start ... start + chunk."""
             rows = jax.lax.dynamic_slice_in_dim(order_padded, start, chunk)
             end = start + chunk
@@ -253,23 +265,12 @@ class MoE(nnx.Module):
                 y = y + out.at[in_chunk[:, slot]].get(mode="fill", fill_value=0)
             return y
 
-        y = jnp.zeros(x_flat.shape, F32)
         if chunks == 1:
-            return add_chunk(y, 0, x_flat, gate_w, up_w, down_w, order_padded, row_weights, position, group_sizes,
-                             group_ends)
-        # The weights' gradients are summed over the chunks in float32 (the weights may come in the
-        # compute dtype, stacked so by scanned layers).
-        gate_w, up_w, down_w = (w.astype(jnp.promote_types(w.dtype, F32)) for w in (gate_w, up_w, down_w))
-        # Inside shard_map every operand varies over the same mesh axes before the loop: otherwise the
-        # backward sums an operand broadcast over an axis (the expert weights over fsdp) inside the
-        # branch, which only the devices whose chunk holds assignments take, and they wait forever.
-        y, *operands = _vary_alike(y, x_flat, gate_w, up_w, down_w, order_padded, row_weights, position, group_sizes,
-                                   group_ends)
+            return add_chunk(y, 0)
 
         @jax.checkpoint  # the backward recomputes a chunk instead of saving every chunk's buffers
         def step(y, start):
-            return jax.lax.cond(start < group_ends[-1], lambda y, start: add_chunk(y, start, *operands),
-                                lambda y, start: y, y, start), None
+            return jax.lax.cond(start < group_ends[-1], add_chunk, lambda y, start: y, y, start), None
 
         return jax.lax.scan(step, y, jnp.arange(chunks) * chunk)[0]
 
