@@ -235,6 +235,29 @@ def test_push_check_under_bypass_uses_the_losss_tokens(run_config, tmp_path, mon
         trainer.close()
 
 
+def test_a_step_with_every_sample_masked_out_of_the_loss_keeps_training(run_config, tmp_path):
+    """Before: when every sample of a step was masked out after its reward (all unparsable, as a
+    policy driven away from the answer format gives), the default run (``update.recompute_old_logp:
+    when_needed`` skips the recompute, so the push check reads the loss's measurement) stopped with
+    "the push check ... compared zero generated tokens", though the engine had generated them.
+
+    The loss measured nothing on such a step, so that push goes unchecked, as in a step with no
+    policy loss; an engine that returns no tokens at all still fails the check
+    (``test_push_check_fails_when_it_compares_zero_tokens``)."""
+    out = tmp_path / "masked"
+    data = run_config(out, steps=3, reward={"mask_unparsable": True, "tasks": {"t": {
+        "kind": "math", "answer_field": "answer"}}})
+    trainer = _trainer(data)
+    try:
+        assert trainer.context.objective.bypass  # the default's fast path: no recompute
+        trainer.run()
+    finally:
+        trainer.close()
+    rows = read_jsonl(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["reward/unparsable_fraction"] == 1.0 and r["mismatch/num_tokens"] == 0 for r in rows), rows
+
+
 # ------------------------------------------------------------------ never lose a run
 def _snapshot(folder):
     """{relative path: (size, mtime_ns)} of every file under ``folder``."""

@@ -48,8 +48,9 @@ class StepRecord:
     ``token_rewards`` (advantage);
     skip_update: the batch filter's verdict (filter);
     engine_gap: (max |learner - engine logprob|, tokens) measured by the update's first
-    mini-batch under ``objective.bypass``, or None when no policy loss ran (update); the push
-    stage's check of the previous push reads it.
+    mini-batch under ``objective.bypass``, or None when it measured nothing: no policy loss ran,
+    or none of its tokens entered the loss (update); the push stage's check of the previous push
+    reads it.
     """
 
     examples: list = dataclasses.field(default_factory=list)

@@ -8,8 +8,9 @@ In order, after the update of step k:
    first mini-batch measured the gap, ``StepRecord.engine_gap``), within
    ``rollout.push_tolerance``; a gap above it, or a check of zero tokens, raises
    PushVerificationError. Batches of older weights (``rollout.max_staleness``) are not
-   comparable, and a step in which no policy loss ran (a critic's warm-up, under bypass) has
-   nothing measured;
+   comparable, and under bypass a step in which no policy loss ran (a critic's warm-up) or none
+   of the first mini-batch's tokens entered the loss (every sample masked out after its reward,
+   e.g. all unparsable) has nothing measured: the next step's batch checks the next push;
 2. **drain**: wait for the batches still being generated with the weights about to be replaced
    (the rollout stage's ``drain``);
 3. **push** version k (``engine.update_weights``; the engine must then report it);
@@ -92,9 +93,9 @@ class PushStage(Stage):
         if version != str(learner_version):  # sampled with older weights (rollout.max_staleness): not comparable
             return
         if self.context.objective.bypass:
-            if record.engine_gap is None:  # no policy loss ran, so nothing was measured
+            if record.engine_gap is None and np.any(record.batch.generated):  # the loss measured nothing
                 return
-            gap = record.engine_gap
+            gap = record.engine_gap or (float("nan"), 0)
         else:
             gap = push_gap(record.batch)
         check_push(version, *gap, tolerance=r.push_tolerance)
@@ -115,8 +116,7 @@ def check_push(version: str, largest: float, tokens: int, *, tolerance: float) -
     if tokens == 0:
         raise PushVerificationError(
             f"the push check of weight version {version} compared zero generated tokens, so it proves nothing; "
-            f"the engine returned no tokens (or, with objective.bypass, the first mini-batch has none in the "
-            f"loss); set rollout.verify_push=false to run without the check")
+            f"the engine returned no tokens; set rollout.verify_push=false to run without the check")
     if not largest <= tolerance:
         raise PushVerificationError(
             f"the engine sampled with weight version {version} but its logprobs differ from the learner's "

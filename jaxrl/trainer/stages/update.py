@@ -59,7 +59,9 @@ class UpdateStage(Stage):
     def __call__(self, record: StepRecord, step: int) -> tuple[StepRecord, dict[str, float]]:
         metrics = self.update(record.batch, step, record.skip_update)
         gap = None
-        if self.context.objective.bypass and "mismatch/num_tokens" in metrics:  # a policy loss ran
+        # Only a policy loss with tokens measured anything: a step whose every sample was masked out
+        # after its reward (unparsable) has none in the loss, though the engine generated some.
+        if self.context.objective.bypass and metrics.get("mismatch/num_tokens", 0) > 0:
             gap = (float(metrics.get("mismatch/abs_log_ratio_max", np.nan)), int(metrics["mismatch/num_tokens"]))
         return record.replace(engine_gap=gap), metrics
 
