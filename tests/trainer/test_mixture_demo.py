@@ -5,8 +5,14 @@ stdin/stdout case in the sandbox, IFEval's instruction checks), and every task's
 its own (``reward/<task>/mean`` per step, ``heldout/<task>/reward`` per evaluation).
 
 Each task's reward must rise by more than chance moves it, the chance scale measured in the same
-run from the reward before learning (a mean of n draws of a 0/1 reward p has standard error
-``sqrt(p (1 - p) / n)``):
+run from the reward before learning. The rise is read on the arcsine scale ``2 asin(sqrt(p))``
+(Anscombe 1948; Cohen's h), where a mean of n draws of a 0/1 reward has standard error
+``1 / sqrt(n)`` whatever p: near 1 the raw scale's ``sqrt(p (1 - p) / n)`` band reaches past the
+ceiling. Four SFT + RL seeds on an AVX2 machine (jax 0.10.2, the suite's XLA flags) started
+instruction following's training reward at 0.769-0.861 and ended it at 0.952-0.970: 3.7-5.0
+standard errors on the arcsine scale, 2.8-3.9 on the raw one, where two of the four missed 3
+(0.861 -> 0.970: three raw standard errors above 0.861 is 0.977, 0.023 below the ceiling). The
+lowest training rise of any task and seed was math's 3.4 (raw 3.3).
 
 - the training reward, what RL optimises: the mean of the last ``WINDOW`` steps' ``reward/<task>/mean``
   over the first ``WINDOW`` steps' by ``TRAIN_RISE`` standard errors, counting each prompt as one draw
@@ -51,9 +57,14 @@ TRAIN_RISE = 3.0
 HELDOUT_RISE = 1.0
 
 
-def standard_error(p: float, draws: int) -> float:
-    """The standard error of a mean of ``draws`` 0/1 rewards of mean ``p`` (at least one draw's worth)."""
-    return math.sqrt(max(p * (1 - p), 1 / draws) / draws)
+def rise_in_standard_errors(before: float, after: float, draws: int) -> float:
+    """How far ``after`` lies above ``before``, a mean of ``draws`` 0/1 rewards, in standard errors
+    of ``before`` on the arcsine scale: ``(2 asin(sqrt(after)) - 2 asin(sqrt(before))) sqrt(draws)``.
+
+    >>> round(rise_in_standard_errors(0.5, 0.6, 100), 2)  # the raw scale's (0.6 - 0.5) / sqrt(0.25 / 100) is 2.0
+    2.01
+    """
+    return (2 * math.asin(math.sqrt(after)) - 2 * math.asin(math.sqrt(before))) * math.sqrt(draws)
 
 
 @pytest.mark.slow
@@ -77,24 +88,24 @@ def test_each_task_of_the_mixture_learns_and_is_reported(tmp_path):
         shares = np.array([r[f"reward/{task}/share"] for r in steps])
         rewards = np.array([r[f"reward/{task}/mean"] for r in steps])
         early, late = rewards[:WINDOW].mean(), rewards[-WINDOW:].mean()
-        train_chance = standard_error(early, round(shares[:WINDOW].sum() * PROMPTS_PER_STEP))
+        train_rise = rise_in_standard_errors(early, late, round(shares[:WINDOW].sum() * PROMPTS_PER_STEP))
         before, after = heldout[task]
-        heldout_chance = standard_error(before, HELDOUT_PER_TASK * EVAL_SAMPLES)
-        figures[task] = shares.mean(), early, late, train_chance, before, after, heldout_chance
-        print(f"{task}: training reward {early:.3f} -> {late:.3f} (standard error {train_chance:.3f}); held-out "
-              f"{before:.3f} -> {after:.3f} (standard error {heldout_chance:.3f})")
-    for task, (share, early, late, train_chance, before, after, heldout_chance) in figures.items():
+        heldout_rise = rise_in_standard_errors(before, after, HELDOUT_PER_TASK * EVAL_SAMPLES)
+        figures[task] = shares.mean(), before, train_rise, heldout_rise
+        print(f"{task}: training reward {early:.3f} -> {late:.3f} ({train_rise:.1f} standard errors); held-out "
+              f"{before:.3f} -> {after:.3f} ({heldout_rise:.1f} standard errors)")
+    for task, (share, before, train_rise, heldout_rise) in figures.items():
         assert abs(share - 1 / 3) < 0.1, (task, share)  # data.mixture's equal weights
         assert 0.05 < before < 0.9, f"{task}: SFT should teach the format and leave room to learn"
-        assert late > early + TRAIN_RISE * train_chance, task
+        assert train_rise > TRAIN_RISE, (task, train_rise)
         if task != "math":
-            assert after > before + HELDOUT_RISE * heldout_chance, task
+            assert heldout_rise > HELDOUT_RISE, (task, heldout_rise)
     assert [line.split(":")[0] for line in mixture_report(summary)] == list(MIXTURE_TASKS)  # jaxrl demo's lines
-    _, _, _, _, before, after, heldout_chance = figures["math"]
-    if not after > before + HELDOUT_RISE * heldout_chance:
-        pytest.xfail(f"math's held-out reward does not rise: {before:.3f} -> {after:.3f} (standard error "
-                     f"{heldout_chance:.3f}); the 2-layer model learns the training sums, not addition that "
-                     f"carries to unseen ones (docs/training.md#the-motif-three-task-mixture)")
+    before, after = heldout["math"]
+    if not figures["math"][3] > HELDOUT_RISE:
+        pytest.xfail(f"math's held-out reward does not rise: {before:.3f} -> {after:.3f} ({figures['math'][3]:.1f} "
+                     f"standard errors); the 2-layer model learns the training sums, not addition that carries to "
+                     f"unseen ones (docs/training.md#the-motif-three-task-mixture)")
 
 
 def _filter_with_the_per_task_bands(root: str, output: str) -> None:
