@@ -66,9 +66,14 @@ class RolloutConfig:
     prompts, group_size (G) samples each. logprob_kind: which distribution the engine
     reports (raw = what the learner recomputes; docs/rollouts.md#logprob-kinds). verify_push: after each
     weight push the engine must report the new version, and the next batch's engine
-    logprobs must match the learner's recompute within ``push_tolerance`` (max |dlogp|
-    over generated tokens, with raw logprobs; the spot check runs on every sampled token, at no extra cost;
-    SGLang additionally checks its probe sequence inside each push). With ``max_staleness`` > 0
+    logprobs must match the learner's recompute within ``push_tolerance`` (nats, with raw
+    logprobs; the spot check runs on every sampled token, at no extra cost; SGLang additionally
+    checks its probe sequence inside each push). push_check: the statistic of |dlogp| over the
+    batch's generated tokens that ``push_tolerance`` bounds: "max" (one wrong token shows),
+    "mean", or "auto": max when the learner and the engine both compute in float32, whose gaps
+    are reduction order, mean otherwise (bfloat16's gaps are rounding flips whose largest grows
+    with the batch; docs/rollouts.md#the-push-check-in-bfloat16). push_tolerance None: 1e-3
+    under max, 0.05 under mean. With ``max_staleness`` > 0
     only batches sampled with the learner's current weights can be compared (the first one).
     max_staleness: how many updates the weights of a batch may lag the learner's; 0 is the
     synchronous loop, >= 1 generates the next batches in the background while the learner
@@ -103,7 +108,8 @@ class RolloutConfig:
     max_new_tokens: int = 64
     logprob_kind: LogprobKind = LogprobKind.RAW
     verify_push: bool = True
-    push_tolerance: float = 1e-3
+    push_tolerance: float | None = None
+    push_check: Literal["auto", "max", "mean"] = "auto"
     max_staleness: int = 0
     max_batch: int = 0
     dynamic_sampling: bool = False
@@ -147,7 +153,7 @@ class RolloutConfig:
         if self.round_tokens < 0:
             raise ValueError(f"rollout.round_tokens must be >= 0 (0 = one dense KV cache per call), got "
                              f"{self.round_tokens}")
-        if not self.push_tolerance > 0.0:
+        if self.push_tolerance is not None and not self.push_tolerance > 0.0:
             raise ValueError(f"rollout.push_tolerance must be > 0 (nats), got {self.push_tolerance}")
 
 

@@ -1,7 +1,6 @@
 """The embedded JAX sampler against the learner's full forward and closed-form distributions."""
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -253,14 +252,24 @@ def test_yarn_recompute_residual_past_the_window(model):
     assert build_report(score_with_learner(model, batch))["overall"]["abs_log_ratio_max"] > 1e-2
 
 
-def test_bfloat16_k3_is_measured(model):
+def test_bfloat16_sampler_and_learner_agree_within_the_push_checks_mean(model):
+    """bfloat16 compute (float32 weights): the sampler's raw logprobs against the learner's
+    recompute. Both round to bfloat16 at the same points, so the gaps are float32 sums in another
+    order, now and then flipping a bfloat16 rounding: over six seeds of a 4-layer model
+    (bench/bf16_logprob_gap.py) the mean |dlogp| stayed under 2.6e-3 while the largest reached
+    0.052. The bound on the mean is twice that figure, well inside the push check's default on the
+    mean (0.05, rollout.push_check: auto in bfloat16); a model of other weights is over 1 nat off."""
+    from jaxrl.trainer.stages.push import DEFAULT_TOLERANCE
+
     bf16 = make_model(dtype="bfloat16")
-    sampler = JaxSampler(bf16, max_cache_len=64, max_batch=8)
-    batch = score_with_learner(bf16, collect(sampler, PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8,
-                                                                              seed=1)))
-    overall = build_report(batch)["overall"]
-    print(f"\nbfloat16 compute: k3 {overall['k3']:.3g}  max|dlogp| {overall['abs_log_ratio_max']:.3g}")
-    assert math.isfinite(overall["k3"]) and overall["num_tokens"] == 64
+    batch = collect(JaxSampler(bf16, max_cache_len=64, max_batch=8), PROMPTS,
+                    SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
+    same = build_report(score_with_learner(bf16, batch))["overall"]
+    other = build_report(score_with_learner(make_model(seed=1, dtype="bfloat16"), batch))["overall"]
+    print(f"\nbfloat16 compute: mean |dlogp| {same['abs_log_ratio_mean']:.3g}, max {same['abs_log_ratio_max']:.3g}; "
+          f"other weights: mean {other['abs_log_ratio_mean']:.3g}")
+    assert same["num_tokens"] == 64
+    assert same["abs_log_ratio_mean"] <= 5e-3 < DEFAULT_TOLERANCE["mean"] < 1.0 < other["abs_log_ratio_mean"]
 
 
 def test_update_weights_reads_the_learner_arrays_without_copy(model):

@@ -25,12 +25,21 @@ another stage's module: the stages are independent rooms (``tests/test_layout.py
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from jaxrl.reward.base import ScoredBatch
 from jaxrl.trainer.batch import StepBatch
+
+
+class PushGap(NamedTuple):
+    """|engine - learner logprob| over ``tokens`` generated tokens: its ``largest`` and its ``mean``
+    (the push stage's check of a weight push)."""
+
+    largest: float
+    mean: float
+    tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +56,7 @@ class StepRecord:
     ``ref_logp`` (recompute), ``advantages`` and with a critic ``values``, ``returns`` and
     ``token_rewards`` (advantage);
     skip_update: the batch filter's verdict (filter);
-    engine_gap: (max |learner - engine logprob|, tokens) measured by the update's first
+    engine_gap: the |learner - engine logprob| (``PushGap``) measured by the update's first
     mini-batch under ``objective.bypass``, or None when it measured nothing: no policy loss ran,
     or none of its tokens entered the loss (update); the push stage's check of the previous push
     reads it.
@@ -61,7 +70,7 @@ class StepRecord:
     valid: np.ndarray | None = None
     batch: StepBatch | None = None
     skip_update: bool = False
-    engine_gap: tuple[float, int] | None = None
+    engine_gap: PushGap | None = None
 
     def replace(self, **changes) -> "StepRecord":
         return dataclasses.replace(self, **changes)

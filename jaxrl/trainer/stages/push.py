@@ -5,7 +5,8 @@ In order, after the update of step k:
 1. **verify** the push of version k - 1 on this step's batch, when the engine sampled it with
    those weights and returns raw logprobs (``rollout.verify_push``): the engine's logprobs of
    every generated token against the learner's recompute of them (under bypass, the update's
-   first mini-batch measured the gap, ``StepRecord.engine_gap``), within
+   first mini-batch measured the gap, ``StepRecord.engine_gap``): their largest |dlogp| when
+   both compute in float32, their mean otherwise (``rollout.push_check``), within
    ``rollout.push_tolerance``; a gap above it, or a check of zero tokens, raises
    PushVerificationError. Batches of older weights (``rollout.max_staleness``) are not
    comparable, and under bypass a step in which no policy loss ran (a critic's warm-up) or none
@@ -24,6 +25,7 @@ Metrics: the engine's ``push/*``, ``time/rollout_drain`` and ``time/weight_push`
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Protocol
 
@@ -31,7 +33,9 @@ import numpy as np
 
 from jaxrl.rollout.base import LogprobKind, PushVerificationError
 from jaxrl.trainer.batch import StepBatch
-from jaxrl.trainer.stages.base import Stage, StepContext, StepRecord
+from jaxrl.trainer.stages.base import PushGap, Stage, StepContext, StepRecord
+
+log = logging.getLogger(__name__)
 
 
 class Rollouts(Protocol):
@@ -50,6 +54,10 @@ class PushStage(Stage):
     def __init__(self, context: StepContext, rollouts: Rollouts):
         self.context = context
         self.rollouts = rollouts
+        self.statistic, self.tolerance, why = push_statistic(context.config.rollout,
+                                                             context.learner.model().config.dtype)
+        if context.config.rollout.verify_push:
+            log.info("push check: %s |dlogp| <= %g nats (%s)", self.statistic, self.tolerance, why)
 
     def start(self, step: int) -> None:
         """Pushes the learner's weights when the engine does not hold them yet (a resumed run, a
@@ -95,30 +103,64 @@ class PushStage(Stage):
         if self.context.objective.bypass:
             if record.engine_gap is None and np.any(record.batch.generated):  # the loss measured nothing
                 return
-            gap = record.engine_gap or (float("nan"), 0)
+            gap = record.engine_gap or PushGap(float("nan"), float("nan"), 0)
         else:
             gap = push_gap(record.batch)
-        check_push(version, *gap, tolerance=r.push_tolerance)
+        check_push(version, gap, self.statistic, tolerance=self.tolerance)
 
 
-def push_gap(batch: StepBatch) -> tuple[float, int]:
-    """(max |old_logp - rollout_logp|, tokens) over every generated token, masked samples included:
-    the spot check of the previous weight push needs no reward."""
+# rollout.push_tolerance's defaults per statistic. float32's gaps are reduction order (under 1e-5
+# at their largest); bfloat16's mean gap stayed under 3e-3 where both sides round alike and under
+# 0.035 with one side in float32, where a wrong checkpoint's is over 1 nat (bench/bf16_logprob_gap.py).
+DEFAULT_TOLERANCE = {"max": 1e-3, "mean": 0.05}
+
+
+def push_statistic(rollout, learner_dtype: str) -> tuple[str, float, str]:
+    """(the statistic of |dlogp| the push check bounds, its tolerance, why): ``rollout.push_check``,
+    or for "auto" "max" when the learner (``learner_dtype``, its compute dtype) and the engine
+    both compute in float32 and "mean" otherwise; ``rollout.push_tolerance`` or the statistic's
+    default. The embedded sampler computes as the learner, launched SGLang servers in
+    ``server.dtype``; external servers' dtype is not known, so they get "mean"."""
+    if rollout.push_check != "auto":
+        statistic, why = rollout.push_check, f"rollout.push_check={rollout.push_check}"
+    else:
+        if rollout.engine == "embedded":
+            engine_dtype = learner_dtype
+        elif rollout.sglang.server is not None:
+            engine_dtype = rollout.sglang.server.dtype
+        else:
+            engine_dtype = "unknown (external servers)"
+        statistic = "max" if learner_dtype == engine_dtype == "float32" else "mean"
+        why = f"rollout.push_check=auto: the learner computes in {learner_dtype}, the engine in {engine_dtype}"
+    tolerance = DEFAULT_TOLERANCE[statistic] if rollout.push_tolerance is None else rollout.push_tolerance
+    return statistic, tolerance, why
+
+
+def push_gap(batch: StepBatch) -> PushGap:
+    """The gap over every generated token, masked samples included: the spot check of the
+    previous weight push needs no reward."""
     gap = np.abs(np.asarray(batch.old_logp) - np.asarray(batch.rollout_logp))[np.asarray(batch.generated)]
-    return (float(gap.max()) if gap.size else float("nan")), int(gap.size)
+    if not gap.size:
+        return PushGap(float("nan"), float("nan"), 0)
+    return PushGap(float(gap.max()), float(gap.mean()), int(gap.size))
 
 
-def check_push(version: str, largest: float, tokens: int, *, tolerance: float) -> None:
+def check_push(version: str, gap: PushGap, statistic: str, *, tolerance: float) -> None:
     """Verifies a weight push: the engine's logprobs of the batch sampled with weights ``version``
-    agree with the learner's recompute: ``largest`` (max |dlogp| over ``tokens`` generated
-    tokens) within ``rollout.push_tolerance``. A check of zero tokens or a NaN fails: it
-    proves nothing. Raises PushVerificationError."""
-    if tokens == 0:
+    agree with the learner's recompute: ``gap``'s ``statistic`` ("max" or "mean" |dlogp|)
+    within ``rollout.push_tolerance``. A check of zero tokens or a NaN fails: it proves nothing.
+    Raises PushVerificationError."""
+    if gap.tokens == 0:
         raise PushVerificationError(
             f"the push check of weight version {version} compared zero generated tokens, so it proves nothing; "
             f"the engine returned no tokens; set rollout.verify_push=false to run without the check")
-    if not largest <= tolerance:
+    value = gap.largest if statistic == "max" else gap.mean
+    if not value <= tolerance:
+        measured = f"by up to {value:.3g} nats" if statistic == "max" else f"by {value:.3g} nats on average"
+        hint = (" (with bfloat16 on either side, check the mean: rollout.push_check=mean, "
+                "docs/rollouts.md#the-push-check-in-bfloat16)") if statistic == "max" else ""
         raise PushVerificationError(
             f"the engine sampled with weight version {version} but its logprobs differ from the learner's "
-            f"by up to {largest:.3g} nats > rollout.push_tolerance={tolerance}; the engine is not running "
-            f"the learner's weights (or raise push_tolerance for low-precision engines)")
+            f"{measured} (max {gap.largest:.3g}, mean {gap.mean:.3g} over {gap.tokens} tokens) > {tolerance:g} "
+            f"(rollout.push_tolerance; rollout.push_check: {statistic}); the engine is not running the "
+            f"learner's weights{hint}")

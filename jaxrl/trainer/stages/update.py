@@ -34,7 +34,7 @@ import numpy as np
 from jaxrl.models.sharding import batch_devices, batch_shardings
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
 from jaxrl.trainer.guard import UpdateGuard
-from jaxrl.trainer.stages.base import Stage, StepContext, StepRecord
+from jaxrl.trainer.stages.base import PushGap, Stage, StepContext, StepRecord
 from jaxrl.trainer.update import update_names
 
 
@@ -62,7 +62,9 @@ class UpdateStage(Stage):
         # Only a policy loss with tokens measured anything: a step whose every sample was masked out
         # after its reward (unparsable) has none in the loss, though the engine generated some.
         if self.context.objective.bypass and metrics.get("mismatch/num_tokens", 0) > 0:
-            gap = (float(metrics.get("mismatch/abs_log_ratio_max", np.nan)), int(metrics["mismatch/num_tokens"]))
+            gap = PushGap(float(metrics.get("mismatch/abs_log_ratio_max", np.nan)),
+                          float(metrics.get("mismatch/abs_log_ratio_mean", np.nan)),
+                          int(metrics["mismatch/num_tokens"]))
         return record.replace(engine_gap=gap), metrics
 
     def update(self, batch: StepBatch, step: int, skip: bool) -> dict[str, float]:
