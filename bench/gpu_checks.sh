@@ -2,16 +2,17 @@
 # The GPU checks, as one run on a lent NVIDIA machine: cuDNN attention against xla and chunked in
 # values, gradients and tokens/s at 8K and 32K (bench/gpu_attention_check.py), jaxrl vs Tunix at a
 # 0.6B-class shape in bfloat16 (bench/vs_tunix.py --shapes 0.6b), learner MFU of a 1B-class model
-# (bench/learner_mfu.py --preset 1b), and the learner's side of a colocated placement (placement: JAX restricted to the
-# placement's GPU with its share of the memory, as jaxrl train does before JAX starts), each under
-# its own time limit. SGLang is not on that machine and too large to carry (the 64 MiB limit), so
+# (bench/learner_mfu.py --preset 1b), the bfloat16 sampler's logprobs against the learner's
+# recompute (bench/bf16_logprob_gap.py: the push check's figures), and the learner's side of a
+# colocated placement (placement: JAX restricted to the placement's GPU with its share of the
+# memory, as jaxrl train does before JAX starts), each under its own time limit. SGLang is not on that machine and too large to carry (the 64 MiB limit), so
 # the colocated server itself cannot run there. That machine's python3
 # has CUDA JAX, flax, optax, orbax, transformers and torch, but not grain (jaxrl's data pipeline),
 # Tunix or some of their needs, and it cannot download: fetch their Python 3.12 wheels here first
 # (about 25 MB), then carry them.
 #
 #   bash bench/gpu_checks.sh --fetch                  # here: the wheels into .whl/ (git-ignored)
-#   bash bench/gpu_checks.sh [attention|tunix|mfu|placement]   # there, with .whl carried; logs to $OUT
+#   bash bench/gpu_checks.sh [attention|tunix|mfu|bf16|placement]   # there, with .whl carried; logs to $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The packages the image lacks or holds in another version (JAX stays the image's CUDA build), at
@@ -63,6 +64,10 @@ if [ "${1:-all}" = all ] || [ "${1:-all}" = tunix ]; then
 fi
 if [ "${1:-all}" = all ] || [ "${1:-all}" = mfu ]; then
   timeout 270 python3 bench/learner_mfu.py --preset 1b --warmup 2 --steps 2 2>&1 | tee "$OUT/learner_mfu.log" \
+    || status=1
+fi
+if [ "${1:-all}" = all ] || [ "${1:-all}" = bf16 ]; then
+  timeout 90 python3 bench/bf16_logprob_gap.py --shape small --seeds 4 2>&1 | tee "$OUT/bf16_logprob_gap.log" \
     || status=1
 fi
 exit $status
