@@ -111,5 +111,6 @@ def main() -> None:
     print(f"TARGET wrong_weights_mean_gap: {wrong_mean:.3g} (goal > {MEAN_TOLERANCE:g}) "
           f"{'met' if wrong_mean > MEAN_TOLERANCE else 'missed'}")
 
+
 if __name__ == "__main__":
     main()
