@@ -18,7 +18,7 @@ COMMANDS = {
     "align": ("jaxrl.align.cli", "main", "logprob-alignment checker: engine vs learner"),
     "eval": ("jaxrl.trainer.evaluate", "eval_main", "score a model: avg@n and pass@k per task: jaxrl eval CONFIG"),
     "filter": ("jaxrl.trainer.evaluate", "filter_main", "keep prompts by pass rate: jaxrl filter CONFIG"),
-    "compile": ("jaxrl.compile.cli", "main", "compile a config's programs for a TPU topology (no TPU needed)"),
+    "compile": ("jaxrl.compile.cli", "main", "compile a config's programs for TPUs or GPUs (none needed)"),
 }
 
 

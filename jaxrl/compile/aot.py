@@ -1,10 +1,12 @@
-"""The programs one RL step runs, lowered from the trainer's own functions and compiled for a topology.
+"""The programs one RL step runs (or an SFT curriculum's train steps), lowered from the trainer's own functions
+and compiled for a topology.
 
 Nothing is allocated: the model is built with ``nnx.eval_shape``, the train state, batches and
 sampler inputs are ``jax.ShapeDtypeStruct``s carrying the shardings the trainer gives them
 (``jaxrl.models.sharding``'s logical rules over the topology's mesh), and each program is the
 trainer's: :class:`~jaxrl.trainer.update.TrainStep` over ``rl_loss_fn`` (the config's micro-batches,
-remat policy and attention implementation), :meth:`LogprobScorer.lower` (old-logprob and reference
+remat policy and attention implementation; for an SFT config one per stage length over ``sft_loss_fn``),
+:meth:`LogprobScorer.lower` (old-logprob and reference
 scorers: one program, two parameter trees) and :meth:`JaxSampler.lower` (prefill + decode loop at the
 trainer's batch and lengths). ``compile()`` runs XLA for the topology's chips (libtpu, .venv-tpu).
 """
@@ -31,6 +33,7 @@ from jaxrl.models.sharding import batch_devices, sequence_row_length
 from jaxrl.rollout.sampler import JaxSampler
 from jaxrl.trainer.batch import StepBatch, UpdateBatch
 from jaxrl.trainer.config import TrainConfig
+from jaxrl.trainer.sft import sft_loss_fn, stage_row_length
 from jaxrl.trainer.stages import frozen_policy_steps, objective_for_run, sampler_batch
 from jaxrl.trainer.update import abstract_train_state, build_optimizer, build_train_step, rl_loss_fn
 
@@ -172,6 +175,58 @@ def abstract_update_batch(rows: int, length: int, *, reference: bool) -> UpdateB
                        key_seed=jax.ShapeDtypeStruct((), jnp.int32))
 
 
+def _abstract_learner(config: TrainConfig, model_config: ModelConfig, devices: list):
+    """The mesh over ``devices`` and the model's graph and abstract parameters (nothing allocated)."""
+    if config.mesh.size != len(devices):
+        raise InputError(f"mesh {dataclasses.asdict(config.mesh)} has {config.mesh.size} devices but the topology "
+                         f"has {len(devices)}: set the mesh.* sizes (key=value overrides) to use all of them")
+    mesh = make_mesh(config.mesh, devices)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0))))
+    return mesh, graphdef, params
+
+
+def _train_program(name: str, step, state, batch, c: ModelConfig, platform: str, *, rows: int, length: int,
+                   micro_batches: int, resident_bytes: int = 0) -> Program:
+    """An optimizer step over ``rows`` rows of ``length`` tokens, with its analytic FLOPs and HBM floor."""
+    impl = resolve_attention_impl(c.attention_impl, platform, length=length, block_size=c.attention_block_size,
+                                  dtype=c.dtype)
+    kernel = impl in ("splash", "cudnn")  # a custom call: XLA does not count its FLOPs
+    experts = grouped_expert_params(c) if platform == "tpu" else 0.0  # TPU runs the experts through gmm
+    attention = (1 + BACKWARD_ATTENTION) * attention_flops(c, rows, length)
+    return Program(
+        name, f"optimizer step: {rows} rows x {length} tokens in {micro_batches} micro-batches, remat {c.remat}, "
+        f"attention {impl}" + (", layers scanned" if c.scan_layers else ""),
+        lambda: step.lower(state, batch), model_flops=6.0 * matmul_params(c) * rows * length + attention,
+        kernel_flops=(attention if kernel else 0.0) + 6.0 * experts * rows * length,
+        min_hbm_bytes=2 * per_device_bytes(state), resident_bytes=resident_bytes)
+
+
+def sft_stage_programs(config: TrainConfig, model_config: ModelConfig, devices: list) -> tuple[list[Program], Any]:
+    """The train step of each length of ``config.sft.stages`` (``jaxrl sft``'s curriculum) on ``devices``, and
+    the mesh: ``sft.batch_size`` rows of the stage's length in ``sft.micro_batches``, unpacked."""
+    if config.sft.pack:
+        raise InputError("sft.pack=true: jaxrl compile lowers unpacked rows only; compile with sft.pack=false, an "
+                         "upper bound on the packed step's memory")
+    mesh, graphdef, params = _abstract_learner(config, model_config, devices)
+    sft = config.sft
+    optimizer, _ = build_optimizer(config.optimizer, sum(stage.steps for stage in sft.stages))
+    step = build_train_step(graphdef, params, optimizer, sft_loss_fn(sft.micro_batches), mesh)
+    state = abstract_train_state(step, params)
+    programs = []
+    for max_length in sorted({stage.max_length for stage in sft.stages}):
+        length = stage_row_length(max_length, mesh, config.model)
+        # The trainer's own batch layout (StepBatch.pack, mini_batches), made from placeholder pairs.
+        token = np.zeros(1, np.int32)
+        pairs = StepBatch.pack([token] * sft.batch_size, [token] * sft.batch_size, length, 0)
+        (batch,) = pairs.mini_batches(1, "token-mean", 1, micro_batches=sft.micro_batches,
+                                      devices=batch_devices(mesh))
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch)
+        programs.append(_train_program(f"sft_step_{max_length}", step, state, batch, model_config,
+                                       devices[0].platform, rows=sft.batch_size, length=length,
+                                       micro_batches=sft.micro_batches))
+    return programs, mesh
+
+
 def rl_step_programs(config: TrainConfig, model_config: ModelConfig, devices: list) -> tuple[list[Program], Any]:
     """The programs of one RL step of ``config`` on ``devices`` (its mesh's product of them), and the mesh."""
     if config.update.pack:
@@ -179,13 +234,9 @@ def rl_step_programs(config: TrainConfig, model_config: ModelConfig, devices: li
                          "the samples); compile with update.pack=false, an upper bound on the packed step's memory")
     if config.critic is not None:
         raise InputError("advantage.estimator=gae (a critic): jaxrl compile lowers the policy's programs only")
-    if config.mesh.size != len(devices):
-        raise InputError(f"mesh {dataclasses.asdict(config.mesh)} has {config.mesh.size} devices but the topology "
-                         f"has {len(devices)}: set the mesh.* sizes (key=value overrides) to use all of them")
-    mesh = make_mesh(config.mesh, devices)
+    mesh, graphdef, params = _abstract_learner(config, model_config, devices)
     shapes = step_shapes(config, mesh)
     length, c = shapes["length"], model_config
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(c, rngs=nnx.Rngs(0))))
     objective, _ = objective_for_run(config, builds_engine=True, has_experts=model_config.num_experts > 0)
     frozen = frozen_policy_steps(config)
     optimizer, _ = build_optimizer(config.optimizer, max(config.steps - frozen, 0) * config.update.mini_batches)
@@ -203,14 +254,8 @@ def rl_step_programs(config: TrainConfig, model_config: ModelConfig, devices: li
                                                         block_size=c.attention_block_size, dtype=c.dtype)
     kernel = impl in ("splash", "cudnn")  # a custom call: XLA does not count its FLOPs
     experts = grouped_expert_params(c) if platform == "tpu" else 0.0  # TPU runs the experts through gmm
-    rows = shapes["update_rows"]
-    train_attention = (1 + BACKWARD_ATTENTION) * attention_flops(c, rows, length)
-    programs = [Program(
-        "train_step", f"optimizer step: {rows} rows x {length} tokens in {config.update.micro_batches} micro-batches, "
-        f"remat {c.remat}, attention {impl}" + (", layers scanned" if c.scan_layers else ""),
-        lambda: step.lower(state, batch), model_flops=6.0 * n * rows * length + train_attention,
-        kernel_flops=(train_attention if kernel else 0.0) + 6.0 * experts * rows * length,
-        min_hbm_bytes=2 * state_bytes, resident_bytes=held)]
+    programs = [_train_program("train_step", step, state, batch, c, platform, rows=shapes["update_rows"],
+                               length=length, micro_batches=config.update.micro_batches, resident_bytes=held)]
     scorer = LogprobScorer(graphdef, mesh, shapes["score_rows"], config.update.logprob_chunk_size,
                            devices=batch_devices(mesh))
     score_rows = shapes["score_rows"]

@@ -1,4 +1,5 @@
-"""``jaxrl compile CONFIG --topology NAME [key=value ...]``: compile one RL step's programs for a TPU or GPU topology.
+"""``jaxrl compile CONFIG --topology NAME [key=value ...]``: compile one RL step's programs for a TPU or GPU topology,
+or, for a config with ``sft.stages`` (what ``jaxrl sft`` runs), the train step of each stage's length.
 
 Run TPU topologies with .venv-tpu's interpreter (``bash scripts/setup_tpu_aot.sh``; docs/tpu.md), NVIDIA
 GPU ones (``h100:2x8``: CHIP:HOSTSxGPUS) with .venv-cuda-aot's (``bash scripts/setup_cuda_aot.sh``;
@@ -26,8 +27,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="jaxrl compile", description="Compile one RL step's programs ahead of time for a TPU or NVIDIA GPU "
-        "topology (no TPU or GPU needed) and report per-device memory, FLOPs and a roofline.",
+        prog="jaxrl compile", description="Compile one RL step's programs (an SFT config's: each stage's train "
+        "step) ahead of time for a TPU or NVIDIA GPU topology (no TPU or GPU needed) and report per-device memory, "
+        "FLOPs and a roofline.",
         epilog="Overrides use the config's dotted keys, e.g. mesh.data=2 update.micro_batches=16.")
     parser.add_argument("config", help="a YAML or JSON RL config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="optional key=value overrides")
@@ -39,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="a preset (qwen3-8b, qwen3-30b-a3b) or a config.json; default: model.hf_path's "
                              "config.json, else the preset named after its last folder")
     parser.add_argument("--only", default="", help="compile only these programs (comma-separated names: "
-                        "train_step, old_logprob_scorer, reference_scorer, sampler, eval_sampler)")
+                        "train_step, old_logprob_scorer, reference_scorer, sampler, eval_sampler; "
+                        "sft_step_LENGTH for an SFT config's stages)")
     parser.add_argument("--json", default="", help="also write the report here")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
 
@@ -64,7 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if fraction is None and os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"):
             fraction = float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
         target = report.target_for(args.topology, devices, fraction)
-        programs, mesh = aot.rl_step_programs(config, model_config, devices)
+        # A config with SFT stages is what `jaxrl sft` runs: its stages' train steps are the programs.
+        step_programs = aot.sft_stage_programs if config.sft.stages else aot.rl_step_programs
+        programs, mesh = step_programs(config, model_config, devices)
         if args.only:
             wanted = set(args.only.split(","))
             if wanted - {p.name for p in programs}:

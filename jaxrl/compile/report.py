@@ -111,6 +111,9 @@ def advice(result: Compiled) -> str:
     if name == "train_step":
         return ("raise update.micro_batches (fewer rows per backward), model.remat=full (fewer saved activations), "
                 "or more mesh.fsdp / mesh.tensor (smaller weight and optimizer shards)")
+    if name.startswith("sft_step"):
+        return ("raise sft.micro_batches (fewer rows per backward), model.remat=full, more mesh.sequence (a row's "
+                "tokens over more chips) or more mesh.fsdp / mesh.tensor")
     if name.endswith("sampler"):
         return ("lower rollout.prompts_per_step or rollout.group_size (fewer rows decoded at once, a smaller KV "
                 "cache), or more mesh.tensor (KV heads split over chips)")

@@ -42,6 +42,18 @@ def _sft_micro_loss(model, batch: UpdateBatch, micro_index):
     return loss, {"nll": jnp.sum(-logp * live) / count, "entropy": jnp.sum(entropy * live) / count}
 
 
+def sft_loss_fn(micro_batches: int):
+    """The SFT train step's ``loss_fn(model, batch)``: the response tokens' mean NLL over the batch,
+    accumulated over ``micro_batches`` (``jaxrl compile`` lowers the same function)."""
+    return accumulate(_sft_micro_loss, micro_batches)
+
+
+def stage_row_length(max_length: int, mesh, policy) -> int:
+    """The learner's row length for a stage of ``max_length`` tokens: ``max_length - 1`` next-token
+    columns, rounded up so that the mesh's sequence shards (``policy``'s chunks per shard) divide it."""
+    return sequence_row_length(max_length - 1, mesh, policy.row_chunks())
+
+
 class SFTTrainer:
     """``run()`` trains through every stage of ``config.sft.stages`` and returns a summary."""
 
@@ -66,7 +78,7 @@ class SFTTrainer:
         self.total_steps = sum(s.steps for s in config.sft.stages)
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_steps)
         self.train_step, self.state = make_train_step(
-            model, optimizer, accumulate(_sft_micro_loss, config.sft.micro_batches), self.mesh)
+            model, optimizer, sft_loss_fn(config.sft.micro_batches), self.mesh)
         self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
         self.checkpointer = open_run(config, resume=resume, overwrite=overwrite)
         self.step = 0
@@ -116,7 +128,7 @@ class SFTTrainer:
         t0 = time.perf_counter()
         examples = next(self.iterator)
         stage = self.config.sft.stages[stage_index]
-        length = sequence_row_length(stage.max_length - 1, self.mesh, self.config.model.row_chunks())
+        length = stage_row_length(stage.max_length, self.mesh, self.config.model)
         pairs = StepBatch.pack([e.prompt_ids for e in examples], [e.response_ids for e in examples], length,
                                self.tokenizer.pad_token_id, model_masks=[e.response_mask for e in examples])
         sft = self.config.sft

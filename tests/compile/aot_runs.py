@@ -46,6 +46,22 @@ def rl_config(tmp_path, architecture, mesh, evaluate: bool = False, scan_layers:
     return str(path)
 
 
+def sft_config(tmp_path, architecture, mesh, stages: list[dict], attention_impl: str = "auto", **sections) -> str:
+    """An SFT config (what ``jaxrl sft`` runs) over ``architecture`` with the length curriculum ``stages``."""
+    config = {
+        "output_dir": str(tmp_path / "run"),
+        "model": {"architecture": architecture, "dtype": "bfloat16", "remat": "full", "attention_impl": attention_impl,
+                  "attention_block_size": 128, "scan_layers": True},
+        "mesh": mesh,
+        "data": {"tokenizer": "unused", "train_files": ["unused.jsonl"]},
+        "sft": {"batch_size": 4, "micro_batches": 2, "stages": stages},
+        **sections,
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
 def compile_config(python: pathlib.Path, config: str, topology: str, tmp_path,
                    *extra) -> tuple[subprocess.CompletedProcess, dict | None]:
     """``jaxrl compile CONFIG --topology TOPOLOGY --json`` in ``python``'s venv; the run and its report."""

@@ -5,12 +5,13 @@ and a small Qwen3-MoE compile every program of an RL step (train step with micro
 scorers, embedded sampler) for v5e and v5p slices over data, fsdp, tensor and expert axes, with the
 Pallas kernels in the compiled programs (splash attention inside ``shard_map``; the experts' megablox
 ``gmm`` forward and ``tgmm`` weight gradient), and each model's train step compiles for the other
-topology too; an oversized model is refused with exit 1 and the keys that would help.
+topology too; an SFT curriculum's config compiles one train step per stage length, its rows split along
+the ``sequence`` axis; an oversized model is refused with exit 1 and the keys that would help.
 """
 
 import pytest
 
-from aot_runs import ARCHITECTURE, MOE, OVERSIZED, TPU_PYTHON, compile_config, programs_by_name, rl_config
+from aot_runs import ARCHITECTURE, MOE, OVERSIZED, TPU_PYTHON, compile_config, programs_by_name, rl_config, sft_config
 
 pytestmark = pytest.mark.skipif(not TPU_PYTHON.exists(), reason="run scripts/setup_tpu_aot.sh first")
 
@@ -106,3 +107,28 @@ def test_bad_input_exits_2(tmp_path):
     assert done.returncode == 2 and "--topology 'v5e:9x9x9x9'" in done.stderr
     done, _ = _compile(config, "v5p:2x2x2", tmp_path)  # 8 devices, a mesh of 4
     assert done.returncode == 2 and "mesh.*" in done.stderr
+    packed = sft_config(tmp_path, ARCHITECTURE, {"fsdp": 4}, [{"steps": 5, "max_length": 256}], sft={
+        "batch_size": 4, "pack": True, "stages": [{"steps": 5, "max_length": 256}]})
+    done, _ = _compile(packed, "v5e:2x2", tmp_path)
+    assert done.returncode == 2 and "sft.pack=true" in done.stderr
+
+
+def test_an_sft_curriculum_compiles_a_train_step_per_stage_length(tmp_path):
+    """What ``jaxrl sft`` runs: a stage of 512 and one of 2,048 tokens (given twice: one program) on
+    ``fsdp=2 x sequence=2`` with Ulysses; each row's 2 x 256 or 2 x 1,024 tokens per chip."""
+    stages = [{"steps": 5, "max_length": 512}, {"steps": 5, "max_length": 2048}, {"steps": 5, "max_length": 2048}]
+    config = sft_config(tmp_path, dict(ARCHITECTURE, max_position_embeddings=2048), {"fsdp": 2, "sequence": 2},
+                        stages, attention_impl="splash")
+    done, report = _compile(config, "v5e:2x2", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    programs = programs_by_name(report)
+    assert set(programs) == {"sft_step_512", "sft_step_2048"}
+    # 4 rows (sft.batch_size) of max_length - 1 next-token columns, rounded up to the 2 sequence shards
+    assert "4 rows x 512 tokens in 2 micro-batches" in programs["sft_step_512"]["what"]
+    assert "4 rows x 2048 tokens in 2 micro-batches" in programs["sft_step_2048"]["what"]
+    for program in programs.values():
+        assert _has_kernels(program, *SPLASH_FORWARD, *SPLASH_BACKWARD), program["kernels"]
+        assert program["fits"] and program["model_flops_per_device"] > 0
+    # 4x the tokens: more activation memory, and at least 4x the model FLOPs (attention grows faster)
+    assert programs["sft_step_2048"]["temp_bytes"] > programs["sft_step_512"]["temp_bytes"]
+    assert programs["sft_step_2048"]["model_flops_per_device"] > 4 * programs["sft_step_512"]["model_flops_per_device"]
