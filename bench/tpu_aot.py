@@ -23,7 +23,9 @@ TPU_PYTHON = ROOT / ".venv-tpu" / "bin" / "python"
 GIB = 2.0 ** 30
 # (config, the topology its hardware line names)
 SHIPPED = [("configs/qwen3_8b_grpo_tpu_pod.yaml", "v5p:4x4x2"),        # v5p-64: 32 chips
-           ("configs/qwen3_30b_a3b_grpo_tpu_pod.yaml", "v5p:4x4x2")]
+           ("configs/qwen3_30b_a3b_grpo_tpu_pod.yaml", "v5p:4x4x2"),
+           ("configs/qwen3_8b_long_sft_tpu_pod.yaml", "v5p:4x4x2"),   # the 16K -> 64K SFT curriculum
+           ("configs/qwen3_8b_long_grpo_tpu_pod.yaml", "v5p:4x4x2")]  # GRPO at 32K
 
 
 def main():
