@@ -185,13 +185,19 @@ def _abstract_learner(config: TrainConfig, model_config: ModelConfig, devices: l
     return mesh, graphdef, params
 
 
+def _kernels(c: ModelConfig, platform: str, length: int) -> tuple[str, bool, float]:
+    """What rows of ``length`` run on ``platform``: the attention implementation, whether it is a custom call
+    (splash, cuDNN: XLA does not count its FLOPs) and the expert weights a token multiplies by in TPU's
+    grouped-matmul kernels (0 elsewhere)."""
+    impl = resolve_attention_impl(c.attention_impl, platform, length=length, block_size=c.attention_block_size,
+                                  dtype=c.dtype)
+    return impl, impl in ("splash", "cudnn"), grouped_expert_params(c) if platform == "tpu" else 0.0
+
+
 def _train_program(name: str, step, state, batch, c: ModelConfig, platform: str, *, rows: int, length: int,
                    micro_batches: int, resident_bytes: int = 0) -> Program:
     """An optimizer step over ``rows`` rows of ``length`` tokens, with its analytic FLOPs and HBM floor."""
-    impl = resolve_attention_impl(c.attention_impl, platform, length=length, block_size=c.attention_block_size,
-                                  dtype=c.dtype)
-    kernel = impl in ("splash", "cudnn")  # a custom call: XLA does not count its FLOPs
-    experts = grouped_expert_params(c) if platform == "tpu" else 0.0  # TPU runs the experts through gmm
+    impl, kernel, experts = _kernels(c, platform, length)
     attention = (1 + BACKWARD_ATTENTION) * attention_flops(c, rows, length)
     return Program(
         name, f"optimizer step: {rows} rows x {length} tokens in {micro_batches} micro-batches, remat {c.remat}, "
@@ -250,10 +256,7 @@ def rl_step_programs(config: TrainConfig, model_config: ModelConfig, devices: li
     # The reference is a copy of the initial parameters, alive for the whole run.
     held = param_bytes if reference else 0
     platform = devices[0].platform
-    n, impl = matmul_params(c), resolve_attention_impl(c.attention_impl, platform, length=length,
-                                                        block_size=c.attention_block_size, dtype=c.dtype)
-    kernel = impl in ("splash", "cudnn")  # a custom call: XLA does not count its FLOPs
-    experts = grouped_expert_params(c) if platform == "tpu" else 0.0  # TPU runs the experts through gmm
+    n, (_, kernel, experts) = matmul_params(c), _kernels(c, platform, length)
     programs = [_train_program("train_step", step, state, batch, c, platform, rows=shapes["update_rows"],
                                length=length, micro_batches=config.update.micro_batches, resident_bytes=held)]
     scorer = LogprobScorer(graphdef, mesh, shapes["score_rows"], config.update.logprob_chunk_size,
