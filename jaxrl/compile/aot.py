@@ -216,7 +216,8 @@ def sft_stage_programs(config: TrainConfig, model_config: ModelConfig, devices: 
     mesh, graphdef, params = _abstract_learner(config, model_config, devices)
     sft = config.sft
     optimizer, _ = build_optimizer(config.optimizer, sum(stage.steps for stage in sft.stages))
-    step = build_train_step(graphdef, params, optimizer, sft_loss_fn(sft.micro_batches), mesh)
+    step = build_train_step(graphdef, params, optimizer,
+                            sft_loss_fn(sft.micro_batches, config.update.logprob_chunk_size), mesh)
     state = abstract_train_state(step, params)
     programs = []
     for max_length in sorted({stage.max_length for stage in sft.stages}):

@@ -108,7 +108,7 @@ class UpdateConfig:
     reference_metrics: compute the reference model's logprobs for the KL metrics even when the objective has no KL term.
     logprob_chunk_size: tokens per chunk of the learner's LM head, on each device when the batch is split
     over devices (logprobs and entropy are computed chunk by chunk, never as a whole ``[B, T, V]``
-    logits array).
+    logits array); the SFT step (``jaxrl sft``) uses it too.
     pack: the learner's forwards (the recompute and the update) run on rows that hold several
     samples each (``jaxrl.models.packing``): the same losses, less compute on padding.
     share_prefix (with ``pack``): the samples of one prompt (a GRPO group) lay the prompt out once

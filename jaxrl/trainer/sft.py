@@ -10,6 +10,7 @@ response fit in its ``max_length``; pairs too long for every stage are skipped a
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -34,18 +35,19 @@ from jaxrl.trainer.update import accumulate, build_optimizer, make_train_step
 log = logging.getLogger(__name__)
 
 
-def _sft_micro_loss(model, batch: UpdateBatch, micro_index):
-    logp, entropy, _ = batch.token_logprobs(model, chunk_size=1024)
+def _sft_micro_loss(model, batch: UpdateBatch, micro_index, *, chunk_size: int):
+    logp, entropy, _ = batch.token_logprobs(model, chunk_size=chunk_size)
     live = batch.tokens.mask
     loss = aggregate_loss(-logp, live, "token-mean", batch.normalizer)
     count = jnp.maximum(jnp.sum(live), 1.0)
     return loss, {"nll": jnp.sum(-logp * live) / count, "entropy": jnp.sum(entropy * live) / count}
 
 
-def sft_loss_fn(micro_batches: int):
+def sft_loss_fn(micro_batches: int, chunk_size: int):
     """The SFT train step's ``loss_fn(model, batch)``: the response tokens' mean NLL over the batch,
-    accumulated over ``micro_batches`` (``jaxrl compile`` lowers the same function)."""
-    return accumulate(_sft_micro_loss, micro_batches)
+    accumulated over ``micro_batches``, the LM head in chunks of ``chunk_size`` tokens per device
+    (``update.logprob_chunk_size``, as in RL; ``jaxrl compile`` lowers the same function)."""
+    return accumulate(functools.partial(_sft_micro_loss, chunk_size=chunk_size), micro_batches)
 
 
 def stage_row_length(max_length: int, mesh, policy) -> int:
@@ -78,7 +80,7 @@ class SFTTrainer:
         self.total_steps = sum(s.steps for s in config.sft.stages)
         optimizer, self.schedule = build_optimizer(config.optimizer, self.total_steps)
         self.train_step, self.state = make_train_step(
-            model, optimizer, sft_loss_fn(config.sft.micro_batches), self.mesh)
+            model, optimizer, sft_loss_fn(config.sft.micro_batches, config.update.logprob_chunk_size), self.mesh)
         self.guard = UpdateGuard(config.update.max_consecutive_skips, config.update.spike_factor, self._warn)
         self.checkpointer = open_run(config, resume=resume, overwrite=overwrite)
         self.step = 0

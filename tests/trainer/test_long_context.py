@@ -118,6 +118,30 @@ def test_packed_sft_step_equals_one_pair_per_row(files, tmp_path):
     assert rows[1]["update/padding_fraction"] < rows[1]["update/padding_fraction_unpacked"]
 
 
+def test_logprob_chunk_size_reaches_the_sft_head_and_changes_no_update(files, tmp_path, monkeypatch):
+    """``update.logprob_chunk_size`` is the SFT step's LM-head chunk too (what bounds the head's
+    float32 tiles at 64K): chunks of 4 tokens give the update of one chunk holding every token."""
+    from jaxrl.models import decoder
+    from jaxrl.trainer.sft import SFTTrainer
+
+    chunk_sizes, head = [], decoder.sharded_token_logprobs_and_entropy
+
+    def recording_head(*args, chunk_size, **kwargs):
+        chunk_sizes.append(chunk_size)
+        return head(*args, chunk_size=chunk_size, **kwargs)
+
+    monkeypatch.setattr(decoder, "sharded_token_logprobs_and_entropy", recording_head)
+    changes = []
+    for chunk_size in (1024, 4):
+        config = make_config(files, tmp_path / f"chunk-{chunk_size}", data={"max_response_tokens": 8},
+                             optimizer=GRADIENT_STEP, update={"logprob_chunk_size": chunk_size},
+                             sft={"batch_size": 8, "stages": [{"steps": 1, "max_length": 32}]})
+        chunk_sizes.clear()
+        changes.append(_train(SFTTrainer, config)[0])
+        assert set(chunk_sizes) == {chunk_size}, chunk_sizes
+    _assert_same_update(*changes)
+
+
 def test_attention_impl_reaches_the_learner_and_changes_no_update(files, tmp_path):
     """``model.attention_impl=chunked`` (blocks of 4 columns, so rows of 15 run in 4 key blocks with
     the causal skip) gives the update of the reference ``xla`` einsum."""
