@@ -41,8 +41,9 @@ def _check_array(name, x, rank, kind):
         raise ValueError(f"{name} has dtype {dtype} but {label} dtype was expected; cast it with .astype({cast})")
 
 
-def _vocab_tile(lm_head, bias, tile_index, vocab_chunk):
-    """Columns of tile ``tile_index``: (first column, weight [D, vc], bias [vc] f32 or None, col ids, valid).
+def _vocab_tile(lm_head, bias, tile_index, vocab_chunk, compute_dtype):
+    """Columns of tile ``tile_index``: (first column, weight [D, vc] in ``compute_dtype``, bias [vc] f32 or
+    None, col ids, valid).
 
     The last tile is clamped to end at ``V`` instead of padding the weight (a
     padded copy of a 150k-column head would cost as much as the head); its
@@ -50,7 +51,7 @@ def _vocab_tile(lm_head, bias, tile_index, vocab_chunk):
     """
     vocab = lm_head.shape[1]
     start = jnp.minimum(tile_index * vocab_chunk, vocab - vocab_chunk)
-    weight = jax.lax.dynamic_slice_in_dim(lm_head, start, vocab_chunk, axis=1)
+    weight = jax.lax.dynamic_slice_in_dim(lm_head, start, vocab_chunk, axis=1).astype(compute_dtype)
     tile_bias = None
     if bias is not None:
         tile_bias = jax.lax.dynamic_slice_in_dim(bias, start, vocab_chunk).astype(jnp.float32)
@@ -66,7 +67,7 @@ def _tile_logits(h, weight, tile_bias):
     return z if tile_bias is None else z + tile_bias
 
 
-def _head_forward(hidden, lm_head, bias, targets, vocab_chunk):
+def _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype):
     """Online logsumexp over vocab tiles. Returns (logp, entropy, lse), each [nc, c] f32.
 
     Per token it keeps the running max ``m``, ``s = sum exp(z - m)``,
@@ -80,7 +81,7 @@ def _head_forward(hidden, lm_head, bias, targets, vocab_chunk):
 
     def vocab_step(j, carry):
         m, s, t, z_target = carry
-        _, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk)
+        _, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk, compute_dtype)
 
         def token_step(i, inner):
             m, s, t, z_target = inner
@@ -109,23 +110,24 @@ def _head_forward(hidden, lm_head, bias, targets, vocab_chunk):
     return z_target - lse, log_s - t / s, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunked_head(hidden, lm_head, bias, targets, vocab_chunk):
-    logp, entropy, _ = _head_forward(hidden, lm_head, bias, targets, vocab_chunk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked_head(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype):
+    logp, entropy, _ = _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype)
     return logp, entropy
 
 
-def _chunked_head_fwd(hidden, lm_head, bias, targets, vocab_chunk):
-    logp, entropy, lse = _head_forward(hidden, lm_head, bias, targets, vocab_chunk)
+def _chunked_head_fwd(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype):
+    logp, entropy, lse = _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype)
     return (logp, entropy), (hidden, lm_head, bias, targets, lse, entropy)
 
 
-def _chunked_head_bwd(vocab_chunk, residuals, cotangents):
+def _chunked_head_bwd(vocab_chunk, compute_dtype, residuals, cotangents):
     """Recomputes each tile's logits; d logp/dz = onehot - p, dH/dz = -p (log p + H).
 
     Vocab tiles outside, token chunks inside: the weight gradient of a tile is
-    accumulated in float32 over all tokens and written once in the weight's
-    dtype; the hidden gradient [N, D] is accumulated in float32.
+    accumulated in float32 over all tokens and written once in ``lm_head``'s own
+    dtype (a float32 parameter's gradient is never rounded to the compute dtype);
+    the hidden gradient [N, D] is accumulated in float32.
     """
     hidden, lm_head, bias, targets, lse, entropy = residuals
     g_logp, g_entropy = cotangents
@@ -135,7 +137,7 @@ def _chunked_head_bwd(vocab_chunk, residuals, cotangents):
 
     def vocab_step(j, carry):
         d_hidden, d_head, d_bias = carry
-        start, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk)
+        start, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk, compute_dtype)
         weight_f32 = weight.astype(f32)
 
         def token_step(i, inner):
@@ -180,6 +182,7 @@ def token_logprobs_and_entropy(
     chunk_size: int = 1024,
     vocab_chunk_size: int | None = 32768,
     bias: jax.Array | None = None,
+    compute_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Target-token logprobs and token entropy from hidden states, tile by tile.
 
@@ -200,6 +203,8 @@ def token_logprobs_and_entropy(
       chunk_size: tokens per chunk.
       vocab_chunk_size: vocabulary columns per tile; ``None`` for the whole vocabulary.
       bias: optional ``[V]`` float LM-head bias.
+      compute_dtype: the dtype the matmuls take the head in (e.g. bfloat16; ``None``: ``lm_head``'s own);
+        each tile is cast as it is sliced, so ``lm_head``'s gradient stays in its own dtype.
     Returns:
       ``(logp, entropy)``, each ``[B, T]`` float32. Differentiable w.r.t.
       ``hidden``, ``lm_head`` and ``bias`` (reverse mode; gradients come back in
@@ -237,14 +242,13 @@ def token_logprobs_and_entropy(
     h = jnp.pad(hidden.reshape(num_tokens, dim), ((0, pad), (0, 0)))
     y = jnp.pad(targets.reshape(num_tokens).astype(jnp.int32), (0, pad))
     logp, entropy = _chunked_head(h.reshape(-1, chunk, dim), lm_head, bias,
-                                  y.reshape(-1, chunk), vocab_chunk)
+                                  y.reshape(-1, chunk), vocab_chunk, compute_dtype or lm_head.dtype)
     unpad = lambda x: x.reshape(-1)[:num_tokens].reshape(batch, length)
     return unpad(logp), unpad(entropy)
 
 
 def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
-                                       bias: jax.Array | None = None, compute_dtype=None,
-                                       **options) -> tuple[jax.Array, jax.Array]:
+                                       bias: jax.Array | None = None, **options) -> tuple[jax.Array, jax.Array]:
     """:func:`token_logprobs_and_entropy` on each device's own tokens under the current mesh.
 
     ``hidden`` ``[B, T, D]`` and ``targets`` ``[B, T]`` are split as the ``batch`` logical axis is
@@ -252,16 +256,12 @@ def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, ta
     the whole LM head (the tensor axis's vocabulary shards are
     gathered, as the unsharded head needs too), and the LM head's gradient is summed over the
     devices once, after the loop, in ``lm_head``'s own dtype: pass the parameter (float32) and
-    ``compute_dtype`` (e.g. bfloat16, what the matmuls take; the cast happens on each device), so
-    the devices' partial gradients are not summed in bfloat16. Per-token values do not depend on
-    the split; ``chunk_size`` counts a device's tokens. Without a mesh that splits the rows, or
+    ``compute_dtype`` (e.g. bfloat16, what the matmuls take), so no device's partial gradient is
+    rounded to bfloat16 before the sum. Per-token values do not depend on the split;
+    ``chunk_size`` counts a device's tokens. Without a mesh that splits the rows, or
     with one that splits a row along its length (``sequence``), it is
-    :func:`token_logprobs_and_entropy` of the cast head under XLA's partitioning.
+    :func:`token_logprobs_and_entropy` under XLA's partitioning.
     """
-    def per_device(h, w, y, b):
-        w = w if compute_dtype is None else w.astype(compute_dtype)
-        return token_logprobs_and_entropy(h, w, y, bias=b, **options)
-
     mesh = jax.sharding.get_abstract_mesh()
     spec = None if mesh.empty else logical_to_spec(("batch", "length"), targets.shape, mesh)
 
@@ -269,11 +269,14 @@ def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, ta
         return any(mesh.shape[axis] > 1 for axis in ((entry,) if isinstance(entry, str) else entry or ()))
 
     # A row split along its length (context parallelism) keeps XLA's partitioning: at 65,536 tokens
-    # on sequence=8 the per-device head's gradient differed between the Ulysses and ring layouts by
-    # 2% of its scale, where the partitioner's agreed to 1e-7 (bench/long_context_sft.py); the
-    # cause is not found yet.
+    # on sequence=8 the per-device head's gradient differs between the Ulysses and ring layouts by
+    # 2% of its scale (one column: the token that fills the row), where the partitioner's agree to
+    # 1e-7 (bench/long_context_sft.py). Not the head's own arithmetic: on the same 65,536 tokens
+    # alone, split contiguously or zig-zag, it agrees to 6e-8; the cause is not found yet.
     if spec is None or not split(spec[0]) or split(spec[1]):
-        return per_device(hidden, lm_head, targets, bias)
+        return token_logprobs_and_entropy(hidden, lm_head, targets, bias=bias, **options)
     whole = PartitionSpec()
-    return jax.shard_map(per_device, in_specs=(PartitionSpec(*spec, None), whole, spec, whole),
+    per_device = functools.partial(token_logprobs_and_entropy, **options)
+    return jax.shard_map(lambda h, w, y, b: per_device(h, w, y, bias=b),
+                         in_specs=(PartitionSpec(*spec, None), whole, spec, whole),
                          out_specs=(spec, spec), check_vma=False)(hidden, lm_head, targets, bias)

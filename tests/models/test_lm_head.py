@@ -178,10 +178,13 @@ def test_on_a_mesh_each_device_runs_the_head_on_its_own_tokens(mesh_shape):
     assert collectives["partitioner"]["all-gather"] > 0, collectives  # what the sharded head avoids
 
 
-def test_on_a_mesh_bfloat16_compute_sums_the_devices_gradients_in_the_heads_dtype():
-    """``compute_dtype``: the matmuls take bfloat16 on each device, and the head's gradient is summed
-    over the devices in the float32 of the head passed in (a bfloat16 head would sum eight bfloat16
-    partials): it equals one device's float32-accumulated gradient to one bfloat16 rounding."""
+@pytest.mark.parametrize("mesh_shape", [{"fsdp": 8}, {"sequence": 8}])
+def test_bfloat16_compute_keeps_the_heads_gradient_in_float32(mesh_shape):
+    """``compute_dtype``: the matmuls take bfloat16 tiles, but the float32 head's gradient is never
+    rounded to bfloat16, on one device or on each device before the devices' sum (rounded, eight
+    partials gave a gradient that depends on which tokens each device holds). The rows (the
+    per-device head), or a row's tokens (XLA's partitioning), are split over 8 devices and the
+    gradient equals one device's to float32 summation order."""
     batch, length, dim, vocab = 8, 32, 16, 300
     keys = jax.random.split(jax.random.key(2), 3)
     hidden = jax.random.normal(keys[0], (batch, length, dim)).astype(jnp.bfloat16)
@@ -194,12 +197,12 @@ def test_on_a_mesh_bfloat16_compute_sums_the_devices_gradients_in_the_heads_dtyp
         return jnp.sum(logp) + jnp.sum(entropy)
 
     want = jax.jit(jax.grad(head_gradient, argnums=1))(hidden, lm_head)  # no mesh: one device
-    mesh = make_mesh(MeshConfig(fsdp=8))
+    mesh = make_mesh(MeshConfig(**mesh_shape))
     with jax.set_mesh(mesh):
-        rows = jax.device_put(hidden, NamedSharding(mesh, PartitionSpec("fsdp")))
-        got = jax.jit(jax.grad(head_gradient, argnums=1))(rows, lm_head)
-    assert got.dtype == jnp.float32
-    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * float(jnp.max(jnp.abs(want))))
+        split = jax.device_put(hidden, NamedSharding(mesh, PartitionSpec(("data", "fsdp"), "sequence")))
+        got = jax.jit(jax.grad(head_gradient, argnums=1))(split, lm_head)
+    assert want.dtype == got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
 
 
 def test_bad_input_names_the_argument():
