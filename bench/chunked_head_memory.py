@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--chunk-size", type=int, default=1024)
-    parser.add_argument("--vocab-chunk-size", type=int, default=32768)
+    parser.add_argument("--vocab-chunk-size", type=int, default=16384)
     parser.add_argument("--execute", action="store_true", help="also run both (needs ~25 GiB)")
     args = parser.parse_args()
 

@@ -18,9 +18,9 @@ import functools
 import os
 import sys
 
-if "--sequence" in sys.argv:  # the host devices must exist before JAX starts
-    count = sys.argv[sys.argv.index("--sequence") + 1]
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+# The host devices must exist before JAX starts: as many as --sequence asks for (8 by default).
+DEVICES = sys.argv[sys.argv.index("--sequence") + 1] if "--sequence" in sys.argv else "8"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -54,8 +54,8 @@ def temporaries(config: ModelConfig, length: int, mesh_config: MeshConfig, chunk
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-length", type=int, default=65536)
-    parser.add_argument("--sequence", type=int, default=8)
-    # the trainers' default update.logprob_chunk_size; its [chunk, 32768] float32 LM-head tiles are a
+    parser.add_argument("--sequence", type=int, default=int(DEVICES))
+    # the trainers' default update.logprob_chunk_size; its [chunk, 16384] float32 LM-head tiles are a
     # per-device constant that sequence sharding does not divide
     parser.add_argument("--logprob-chunk-size", type=int, default=1024)
     args = parser.parse_args()

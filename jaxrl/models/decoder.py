@@ -311,7 +311,7 @@ class Decoder(nnx.Module):
         return self.head(self(input_ids, positions, segment_ids).hidden)
 
     def token_logprobs(self, input_ids, positions, segment_ids, targets, *, chunk_size: int = 1024,
-                       vocab_chunk_size: int | None = 32768, routed_experts: jax.Array | None = None):
+                       vocab_chunk_size: int | None = 16384, routed_experts: jax.Array | None = None):
         """log p(targets) and next-token entropy, each [B, T] float32, via the chunked LM head
         (`jaxrl.models.lm_head`, each device on its own rows), plus the DecoderOutput;
         ``routed_experts`` as in ``__call__`` (routing replay)."""

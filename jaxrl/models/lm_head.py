@@ -180,7 +180,7 @@ def token_logprobs_and_entropy(
     targets: jax.Array,
     *,
     chunk_size: int = 1024,
-    vocab_chunk_size: int | None = 32768,
+    vocab_chunk_size: int | None = 16384,
     bias: jax.Array | None = None,
     compute_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
