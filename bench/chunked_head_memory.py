@@ -5,6 +5,7 @@ accumulation) and reads XLA's ``memory_analysis()``. Nothing is executed, so
 nothing of that size is allocated: the inputs are ``ShapeDtypeStruct``s.
 
     .venv/bin/python bench/chunked_head_memory.py [--chunk-size N] [--vocab-chunk-size N] [--execute]
+    .venv/bin/python bench/chunked_head_memory.py --tokens 4096 --hidden 256 --time-vocab-chunks 32768,16384
 
 Peak = arguments + outputs + temporaries - aliased (what the executable needs
 at once). Target (issue 2): chunked <= 1/8 of naive. ``--execute`` (for an
@@ -14,6 +15,7 @@ gradients are.
 """
 
 import argparse
+import functools
 import time
 
 import jax
@@ -70,6 +72,29 @@ def execute(fns, shapes) -> None:
         print(f"{label:9s} max |chunked - naive| = {err:.3e} (max |naive| = {scale:.3e})")
 
 
+def time_vocab_chunks(shapes, chunk_size: int, sizes: list[int], rounds: int = 3) -> None:
+    """Forward+backward of the chunked head (float32 head, bfloat16 compute, as the decoder calls it) with each
+    vocabulary tile size, interleaved round by round; prints the best time of each and its ratio to the first."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(keys[0], shapes[0].shape, jnp.float32).astype(shapes[0].dtype)
+    lm_head = jax.random.normal(keys[1], shapes[1].shape, jnp.float32) / shapes[1].shape[0] ** 0.5
+    targets = jax.random.randint(keys[2], shapes[2].shape, 0, shapes[1].shape[1])
+    steps = {size: jax.jit(loss_and_grad(functools.partial(
+        token_logprobs_and_entropy, chunk_size=chunk_size, vocab_chunk_size=size, compute_dtype=jnp.bfloat16)))
+        for size in sizes}
+    for step in steps.values():
+        jax.block_until_ready(step(hidden, lm_head, targets))
+    best = dict.fromkeys(sizes, float("inf"))
+    for _ in range(rounds):
+        for size, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(hidden, lm_head, targets))
+            best[size] = min(best[size], time.perf_counter() - start)
+    for size in sizes:
+        print(f"vocab_chunk_size={size:>6}: {best[size]:7.2f} s per forward+backward "
+              f"({best[size] / best[sizes[0]]:.2f}x the first)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -78,6 +103,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--vocab-chunk-size", type=int, default=16384)
     parser.add_argument("--execute", action="store_true", help="also run both (needs ~25 GiB)")
+    parser.add_argument("--time-vocab-chunks", default="",
+                        help="comma-separated vocabulary tile sizes: run only the chunked head with each, side by side")
     args = parser.parse_args()
 
     shapes = (
@@ -90,6 +117,9 @@ def main() -> None:
         return token_logprobs_and_entropy(hidden, lm_head, targets, chunk_size=args.chunk_size,
                                           vocab_chunk_size=args.vocab_chunk_size)
 
+    if args.time_vocab_chunks:
+        time_vocab_chunks(shapes, args.chunk_size, [int(size) for size in args.time_vocab_chunks.split(",")])
+        return
     gib = 2.0 ** 30
     print(f"T={args.tokens} d={args.hidden} V={args.vocab} bf16 inputs, forward+backward, "
           f"backend={jax.default_backend()}")
