@@ -269,10 +269,11 @@ def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, ta
         return any(mesh.shape[axis] > 1 for axis in ((entry,) if isinstance(entry, str) else entry or ()))
 
     # A row split along its length (context parallelism) keeps XLA's partitioning: at 65,536 tokens
-    # on sequence=8 the per-device head's gradient differs between the Ulysses and ring layouts by
-    # 2% of its scale (one column: the token that fills the row), where the partitioner's agree to
-    # 1e-7 (bench/long_context_sft.py). Not the head's own arithmetic: on the same 65,536 tokens
-    # alone, split contiguously or zig-zag, it agrees to 6e-8; the cause is not found yet.
+    # on sequence=8 the per-device head's gradient under Ulysses is 1.2e-2 off one device's (one
+    # column: the token that fills the row), where under the ring it agrees to 9e-8 and the
+    # partitioner's agrees under both (bench/long_context_sft.py). Not the head's own arithmetic: on
+    # the same 65,536 tokens alone, split contiguously or zig-zag, it agrees to 6e-8; the cause is
+    # not found yet.
     if spec is None or not split(spec[0]) or split(spec[1]):
         return token_logprobs_and_entropy(hidden, lm_head, targets, bias=bias, **options)
     whole = PartitionSpec()
