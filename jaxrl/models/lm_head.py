@@ -242,7 +242,8 @@ def token_logprobs_and_entropy(
     h = jnp.pad(hidden.reshape(num_tokens, dim), ((0, pad), (0, 0)))
     y = jnp.pad(targets.reshape(num_tokens).astype(jnp.int32), (0, pad))
     logp, entropy = _chunked_head(h.reshape(-1, chunk, dim), lm_head, bias,
-                                  y.reshape(-1, chunk), vocab_chunk, compute_dtype or lm_head.dtype)
+                                  y.reshape(-1, chunk), vocab_chunk,
+                                  lm_head.dtype if compute_dtype is None else compute_dtype)
     unpad = lambda x: x.reshape(-1)[:num_tokens].reshape(batch, length)
     return unpad(logp), unpad(entropy)
 
@@ -277,7 +278,6 @@ def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, ta
     if spec is None or not split(spec[0]) or split(spec[1]):
         return token_logprobs_and_entropy(hidden, lm_head, targets, bias=bias, **options)
     whole = PartitionSpec()
-    per_device = functools.partial(token_logprobs_and_entropy, **options)
-    return jax.shard_map(lambda h, w, y, b: per_device(h, w, y, bias=b),
+    return jax.shard_map(lambda h, w, y, b: token_logprobs_and_entropy(h, w, y, bias=b, **options),
                          in_specs=(PartitionSpec(*spec, None), whole, spec, whole),
                          out_specs=(spec, spec), check_vma=False)(hidden, lm_head, targets, bias)

@@ -46,16 +46,17 @@ def rl_config(tmp_path, architecture, mesh, evaluate: bool = False, scan_layers:
     return str(path)
 
 
-def sft_config(tmp_path, architecture, mesh, stages: list[dict], attention_impl: str = "auto", **sections) -> str:
-    """An SFT config (what ``jaxrl sft`` runs) over ``architecture`` with the length curriculum ``stages``."""
+def sft_config(tmp_path, architecture, mesh, stages: list[dict], attention_impl: str = "auto",
+               sft: dict | None = None) -> str:
+    """An SFT config (what ``jaxrl sft`` runs) over ``architecture`` with the length curriculum ``stages``;
+    ``sft``: further keys of its ``sft`` section."""
     config = {
         "output_dir": str(tmp_path / "run"),
         "model": {"architecture": architecture, "dtype": "bfloat16", "remat": "full", "attention_impl": attention_impl,
                   "attention_block_size": 128, "scan_layers": True},
         "mesh": mesh,
         "data": {"tokenizer": "unused", "train_files": ["unused.jsonl"]},
-        "sft": {"batch_size": 4, "micro_batches": 2, "stages": stages},
-        **sections,
+        "sft": {"batch_size": 4, "micro_batches": 2, "stages": stages, **(sft or {})},
     }
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(config))

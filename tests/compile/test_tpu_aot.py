@@ -107,8 +107,7 @@ def test_bad_input_exits_2(tmp_path):
     assert done.returncode == 2 and "--topology 'v5e:9x9x9x9'" in done.stderr
     done, _ = _compile(config, "v5p:2x2x2", tmp_path)  # 8 devices, a mesh of 4
     assert done.returncode == 2 and "mesh.*" in done.stderr
-    packed = sft_config(tmp_path, ARCHITECTURE, {"fsdp": 4}, [{"steps": 5, "max_length": 256}], sft={
-        "batch_size": 4, "pack": True, "stages": [{"steps": 5, "max_length": 256}]})
+    packed = sft_config(tmp_path, ARCHITECTURE, {"fsdp": 4}, [{"steps": 5, "max_length": 256}], sft={"pack": True})
     done, _ = _compile(packed, "v5e:2x2", tmp_path)
     assert done.returncode == 2 and "sft.pack=true" in done.stderr
 
