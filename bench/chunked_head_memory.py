@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--vocab-chunk-size", type=int, default=16384)
     parser.add_argument("--execute", action="store_true", help="also run both (needs ~25 GiB)")
     parser.add_argument("--time-vocab-chunks", default="",
-                        help="comma-separated vocabulary tile sizes: run only the chunked head with each, side by side")
+                        help="comma-separated vocabulary tile sizes: time the chunked head with each first")
     args = parser.parse_args()
 
     shapes = (
@@ -119,7 +119,6 @@ def main() -> None:
 
     if args.time_vocab_chunks:
         time_vocab_chunks(shapes, args.chunk_size, [int(size) for size in args.time_vocab_chunks.split(",")])
-        return
     gib = 2.0 ** 30
     print(f"T={args.tokens} d={args.hidden} V={args.vocab} bf16 inputs, forward+backward, "
           f"backend={jax.default_backend()}")
