@@ -9,6 +9,7 @@ shared with the other SGLang tests; references are the learner's recompute
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 
 import numpy as np
@@ -186,6 +187,31 @@ def test_spot_check_catches_a_wrong_push(sglang_dense, tmp_path):
     lying.close()
     # Put the learner's weights back for the tests that follow.
     sglang_dense.engine.update_weights(sglang_dense.model, "step-restored")
+
+
+def _descendants(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(child) for child in f.read().split()]
+    return children + [grandchild for child in children for grandchild in _descendants(child)]
+
+
+def _auxiliary_vector(pid: int) -> bytes:
+    """What the kernel handed the process's program at its last exec (entry point, random bytes'
+    address: different for every exec under address-space randomisation); a fork keeps it."""
+    with open(f"/proc/{pid}/auxv", "rb") as f:
+        return f.read()
+
+
+def test_a_cpu_servers_scheduler_and_detokenizer_are_forked_not_spawned(sglang_dense):
+    """SGLang starts its children with "spawn" (a new interpreter each, which imports SGLang and
+    torch again); the launcher of a CPU server turns that into "fork" (processes.LAUNCH_FORK_ENV).
+    SGLang renames its children (``sglang::scheduler``), so the command line cannot tell; the
+    auxiliary vector can: a forked child keeps its parent's, an exec gets its own."""
+    launcher = sglang_dense.manager.pid(0)
+    assert _auxiliary_vector(launcher) != _auxiliary_vector(os.getpid())  # an exec (the launcher's) changes it
+    children = _descendants(launcher)
+    forked = [pid for pid in children if _auxiliary_vector(pid) == _auxiliary_vector(launcher)]
+    assert len(forked) >= 2, children  # the scheduler and the detokenizer
 
 
 def test_two_servers_serve_one_batch_complete_and_in_order(sglang_moe):

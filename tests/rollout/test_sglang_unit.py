@@ -141,6 +141,27 @@ def test_the_launcher_hands_any_api_key_to_the_server(tmp_path, key):
     assert json.loads(done.stdout) == {"port": 30000, "api_key": key or None}
 
 
+# Stands in for SGLang's entry point: forces "spawn" as SGLang does, then reports how a child starts.
+_START_METHOD_SERVER = """
+import multiprocessing
+multiprocessing.set_start_method("spawn", force=True)
+print(multiprocessing.get_start_method())
+"""
+
+
+def test_the_launcher_forks_the_children_of_a_cpu_server_and_spawns_those_of_a_gpu_server(tmp_path):
+    from jaxrl.rollout.sglang.processes import LAUNCHER
+
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "launch_server.py").write_text(_START_METHOD_SERVER)
+    for device, method in (("cpu", "fork"), ("cuda", "spawn")):
+        env = {**ServerConfig(model_path="/m", device=device).environment(), "PYTHONPATH": str(tmp_path)}
+        done = subprocess.run([sys.executable, "-c", LAUNCHER], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == method, device
+
+
 def test_tensor_parallel_memory_and_gpus_are_fields_and_reach_each_server():
     config = ServerConfig(model_path="/m", device="cuda", num_servers=2, tensor_parallel=2, mem_fraction_static=0.7,
                           devices=((4, 5), (6, 7)))

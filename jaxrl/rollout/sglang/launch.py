@@ -18,7 +18,7 @@ from typing import Mapping
 from jaxrl.distributed.placement import PlacementConfig, visible_devices
 from jaxrl.rollout.base import LogprobKind
 from jaxrl.rollout.sglang.access import EXTERNAL_API_KEY_ENV, is_loopback, valid_key
-from jaxrl.rollout.sglang.processes import LAUNCH_API_KEY_ENV, LAUNCHER
+from jaxrl.rollout.sglang.processes import LAUNCH_API_KEY_ENV, LAUNCH_FORK_ENV, LAUNCHER
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 CPU_VENV_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
@@ -218,9 +218,12 @@ class ServerConfig:
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(self.devices[index], base)
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env[LAUNCH_FORK_ENV] = "1"  # why: processes.LAUNCH_FORK_ENV
             env["OMP_NUM_THREADS"] = str(self.omp_num_threads)
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(CPU_STAND_IN_DIR), env.get("PYTHONPATH", "")) if p)
+        else:  # a CUDA context does not survive a fork
+            env.pop(LAUNCH_FORK_ENV, None)
         if self.logprob_kind == LogprobKind.RAW:
             env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         else:

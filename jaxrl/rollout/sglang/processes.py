@@ -18,13 +18,25 @@ from typing import Protocol
 # Where the launcher finds the API key (popped before SGLang starts, so its children never see it).
 LAUNCH_API_KEY_ENV = "JAXRL_SGLANG_LAUNCH_API_KEY"
 
+# Set for a CPU server (ServerConfig.environment): its scheduler and detokenizer are forked from
+# the launched interpreter instead of spawned. SGLang forces "spawn" for CUDA's sake (a CUDA context
+# does not survive a fork); a CPU server has none, and a spawned child imports SGLang and torch
+# again (~9 s of CPU each). Measured on a 2-core machine, start to healthy: one server 20.6 -> 12.1 s,
+# two side by side 32.2 -> 14.1 s, the same greedy tokens.
+LAUNCH_FORK_ENV = "JAXRL_SGLANG_FORK_CHILDREN"
+
 # Runs in the server's interpreter before SGLang: die with the thread that
 # started us (prctl PR_SET_PDEATHSIG = 1), and give up at once if that already
 # happened between fork and prctl (then our parent is no longer the trainer).
+# SGLang's children ask for the same towards this process, forked or spawned.
 LAUNCHER = (
-    "import ctypes, os, runpy, signal, sys\n"
+    "import ctypes, multiprocessing, os, runpy, signal, sys\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
     "if os.getppid() != int(os.environ['JAXRL_SGLANG_PARENT_PID']): sys.exit(1)\n"
+    f"if os.environ.pop('{LAUNCH_FORK_ENV}', ''):\n"
+    "    set_start_method = multiprocessing.set_start_method\n"
+    "    multiprocessing.set_start_method = lambda method, force=False: set_start_method(\n"
+    "        'fork' if method == 'spawn' else method, force=force)\n"
     f"key = os.environ.pop('{LAUNCH_API_KEY_ENV}', '')\n"
     "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key=' + key] if key else [])\n"
     "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
