@@ -170,7 +170,8 @@ def test_multinode_runs_locally_gathers_logs_and_a_failure_stops_the_others(tmp_
     assert out.returncode == 0, out.stderr
     for process_id in range(2):
         settings = json.loads((logs / f"process-{process_id}.log").read_text())
-        assert settings == {"EXTRA": "x", "JAX_COORDINATOR_ADDRESS": "localhost:8476",
+        inherited = {k: v for k, v in os.environ.items() if k.startswith("JAXRL_")}  # e.g. JAXRL_TEST_WORKERS
+        assert settings == {**inherited, "EXTRA": "x", "JAX_COORDINATOR_ADDRESS": "localhost:8476",
                             "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
 
     # Process 1 fails at once; process 0 would sleep a minute unless stopped.
