@@ -28,7 +28,8 @@ forwards (reference and update) lay each group's prompt out once (docs/training.
 ``rows``: one sample per row, as Tunix runs them.
 
 Figures per step, read from the metrics ``train_step_once()`` returns (jaxrl's own stage
-clock, ``time.perf_counter``; warm-up steps, which compile, are not reported):
+clock, ``time.perf_counter``; warm-up steps, which compile, are reported apart: ``info["warmup"]``,
+with ``info["startup_s"]`` from the process's start to a built trainer, for the cold start):
 - ``step``: ``time/step``, the whole ``train_step_once`` (data, rollout, reward, packing,
   recompute, advantages, update, push check, weight push);
 - ``generation``: ``time/rollout``, ``engine.generate`` for all prompts x group samples;
@@ -47,6 +48,9 @@ import argparse
 import json
 import os
 import sys
+import time
+
+STARTED = time.perf_counter()  # before JAX and jaxrl are imported: info["startup_s"] counts from here
 
 # A kind: python reward: jaxrl's reward worker imports this module (keep the top light).
 
@@ -56,6 +60,19 @@ def reward_fraction(prompt, response, response_ids, row):
     from jaxrl.reward import RewardResult
 
     return RewardResult(score=response.count(row["target"]) / max(len(response), 1))
+
+
+def build_trainer(config):
+    """``RLTrainer(config)`` on the bench's inputs (bench/vs_tunix.py ``write_inputs``), whose ``<eos>`` id
+    lies outside the model's vocabulary on purpose: no sample can stop early, so both stacks generate
+    the same tokens every step. RL never feeds that id to the model (no prompt holds it, no response
+    can end with it), so the trainer's refusal of a tokenizer larger than the model
+    (``jaxrl.trainer.model.check_vocabulary``, which guards SFT targets and users' tokenizers) is
+    lifted for this process."""
+    import jaxrl.trainer.rl as rl
+
+    rl.check_vocabulary = lambda *args: None
+    return rl.RLTrainer(config, overwrite=True)
 
 
 def make_config(spec: dict, shape: dict, out: str, recompute: str, layout: str):
@@ -93,6 +110,9 @@ def config_dict(spec: dict, shape: dict, out: str, recompute: str, layout: str =
                    "pack": layout == "shared", "share_prefix": layout == "shared"},
         "optimizer": {"lr": spec["lr"], "clip_norm": spec["clip_norm"], "weight_decay": 0.0},
         "logging": {"progress": False, "tensorboard": False, "plots": False},
+        # a folder of its own, empty: the first step compiles as a first-ever run does, never loading
+        # programs an earlier run stored in the default ~/.cache/jaxrl/xla
+        "compile_cache_dir": os.path.join(out, "xla-cache"),
     }
 
 
@@ -130,17 +150,16 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxrl.trainer.rl import RLTrainer
-
     config = make_config(spec, spec["shapes"][args.shape], os.path.join(args.workdir, f"jaxrl-{args.shape}"),
                          args.recompute, args.layout)
-    trainer = RLTrainer(config, overwrite=True)
+    trainer = build_trainer(config)
     samples = spec["prompts_per_step"] * spec["group_size"]
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.state["params"]))
+    startup = time.perf_counter() - STARTED
     try:
         warmup = [figures(trainer.train_step_once(), samples) for _ in range(args.warmup)]
         info = {"stack": "jaxrl", "shape": args.shape, "params": params, "devices": str(jax.devices()),
-                "recompute": args.recompute, "layout": args.layout, "warmup": warmup,
+                "recompute": args.recompute, "layout": args.layout, "warmup": warmup, "startup_s": startup,
                 "versions": {p: version(p) for p in ("jaxrl", "jax", "jaxlib", "flax", "optax")}}
         protocol.write(json.dumps({"ready": True, **info}) + "\n")
         for line in sys.stdin:

@@ -16,7 +16,8 @@ the reference a second model with the same initial weights; GRPO with ``num_gene
 samples per prompt, one iteration, one mini-batch, ``beta`` with ``kl_loss_mode="low_var_kl"``
 (k3), AdamW after global-norm clipping.
 
-Timed figures, per step (``time.perf_counter``; warm-up steps, which compile, are not reported):
+Timed figures, per step (``time.perf_counter``; warm-up steps, which compile, are reported apart:
+``info["warmup"]``, with ``info["startup_s"]`` from the process's start to a built learner):
 - ``step``: from the moment the training-data iterator hands out step i's prompts to the moment
   the learner asks it for step i+1's: rollout, reference logprobs, reward, advantages, the
   train step, the learner's metric buffering and bookkeeping (the wait for the next command on
@@ -44,6 +45,7 @@ import sys
 import time
 from importlib.metadata import version
 
+STARTED = time.perf_counter()  # before JAX and Tunix are imported: info["startup_s"] counts from here
 PROTOCOL = os.fdopen(os.dup(1), "w", buffering=1)  # our stdout; fd 1 becomes stderr below
 os.dup2(2, 1)
 sys.stdout = sys.stderr
@@ -143,6 +145,7 @@ def main() -> None:
 
     jax.config.update("jax_platforms", "cpu")
     learner, cluster, params = build(spec, spec["shapes"][args.shape])
+    startup = time.perf_counter() - STARTED
     clock = Clock()
 
     def count(out):
@@ -157,6 +160,7 @@ def main() -> None:
     clock.wrap(cluster, "update_actor", "update",
                wait=lambda _: jax.block_until_ready(nnx.state(cluster.actor_trainer.model, nnx.Param)))
     info = {"stack": "tunix", "shape": args.shape, "params": params, "devices": str(jax.devices()),
+            "startup_s": startup,
             "versions": {p: version(p) for p in ("google-tunix", "jax", "jaxlib", "flax", "optax")}}
     prompts, per_step = spec["prompts"], spec["prompts_per_step"]
 

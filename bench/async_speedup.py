@@ -47,11 +47,10 @@ def free_port() -> int:
 
 
 def build(spec: dict, workdir: str, model_path: str, staleness: int):
-    from _jaxrl_side import config_dict
+    from _jaxrl_side import build_trainer, config_dict
 
     from jaxrl.config import from_dict
     from jaxrl.trainer.config import TrainConfig
-    from jaxrl.trainer.rl import RLTrainer
 
     data = config_dict(spec, spec["shapes"]["large"], os.path.join(workdir, f"run-s{staleness}"), "always")
     data["model"] = {"hf_path": model_path, "dtype": "float32", "param_dtype": "float32"}
@@ -59,7 +58,7 @@ def build(spec: dict, workdir: str, model_path: str, staleness: int):
         "server": {"model_path": model_path, "base_port": free_port(),
                    "log_dir": os.path.join(workdir, f"logs-{staleness}"), "startup_timeout_s": 300},
         "push": {"method": "disk", "checkpoint_dir": os.path.join(workdir, f"pushed-{staleness}")}})
-    return RLTrainer(from_dict(TrainConfig, data), overwrite=True)
+    return build_trainer(from_dict(TrainConfig, data))
 
 
 def main() -> None:

@@ -142,13 +142,13 @@ def main() -> None:
     distributed.initialize()
     import jax
 
-    from jaxrl.trainer.rl import RLTrainer
+    from _jaxrl_side import build_trainer
 
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as workdir:
         write_inputs(workdir, preset)
-        trainer = RLTrainer(make_config(workdir, preset, args), overwrite=True)
+        trainer = build_trainer(make_config(workdir, preset, args))  # its <eos> lies outside the vocabulary too
         params = sum(x.size for x in jax.tree.leaves(trainer.state["params"]))
         print(f"model: {params / 1e6:,.1f}M parameters; {preset['prompts_per_step'] * preset['group_size']} samples "
               f"x ({preset['prompt_tokens']} + {preset['new_tokens']}) tokens per update", flush=True)

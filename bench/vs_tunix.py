@@ -30,7 +30,9 @@ bfloat16's residual), ``--shapes 0.6b`` is Qwen3-0.6B's blocks (28 layers x hidd
 of 128, 8 kv heads, intermediate 3072; 0.44B parameters with the 512-id vocabulary), and
 ``--python`` names one interpreter that holds both stacks (it skips scripts/setup_tunix.sh).
 
-Prints a table per shape (medians in seconds, Tunix/jaxrl ratios: > 1 means jaxrl is faster),
+Prints a table per shape (medians in seconds, Tunix/jaxrl ratios: > 1 means jaxrl is faster; then
+the cold start: each process's start-up to a built trainer and its first step, compiles included,
+jaxrl's into an empty compilation cache),
 the versions on each side, the total runtime, and ends with the four TARGET lines.
 """
 
@@ -156,6 +158,13 @@ def report(shape: str, jaxrl: Side, tunix: Side, spec: dict) -> dict:
         j, t = median(jaxrl.steps, jkey), median(tunix.steps, tkey)
         figures[jkey] = {"jaxrl": j, "tunix": t, "ratio": t / j}
         print(f"   {label:<28}{j:>10.4f}{t:>10.4f}{t / j:>12.2f}x")
+    # The cold start: every process starts at once (on 2 cores with one shape, one core each).
+    cold = [("start-up (imports, model)", jaxrl.info["startup_s"], tunix.info["startup_s"]),
+            ("first step (compiles)", jaxrl.info["warmup"][0]["step"], tunix.info["warmup"][0]["step"])]
+    cold.append(("start to end of step 1", cold[0][1] + cold[1][1], cold[0][2] + cold[1][2]))
+    for label, j, t in cold:
+        print(f"   {label:<28}{j:>10.2f}{t:>10.2f}{t / j:>12.2f}x")
+    figures["cold_start"] = {"jaxrl": cold[-1][1], "tunix": cold[-1][2], "ratio": cold[-1][2] / cold[-1][1]}
     skipped = jaxrl.info["recompute"] == "when_needed"
     jaxrl_recompute = "ref_logp only (update.recompute_old_logp=when_needed)" if skipped else "old_logp + ref_logp"
     print(f"   recompute: jaxrl {jaxrl_recompute},"
