@@ -168,9 +168,9 @@ def test_multinode_runs_locally_gathers_logs_and_a_failure_stops_the_others(tmp_
     out = launch("multinode.py", "--hosts", "localhost", "--procs-per-host", "2", "--env", "EXTRA=x",
                  "--log-dir", str(logs), "--", *SHOW_ENV, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    inherited = {k: v for k, v in os.environ.items() if k.startswith("JAXRL_")}  # e.g. JAXRL_TEST_WORKERS
     for process_id in range(2):
         settings = json.loads((logs / f"process-{process_id}.log").read_text())
-        inherited = {k: v for k, v in os.environ.items() if k.startswith("JAXRL_")}  # e.g. JAXRL_TEST_WORKERS
         assert settings == {**inherited, "EXTRA": "x", "JAX_COORDINATOR_ADDRESS": "localhost:8476",
                             "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
 

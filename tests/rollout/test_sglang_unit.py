@@ -123,20 +123,26 @@ print(json.dumps(vars(parser.parse_args())))
 """
 
 
+def _launch_stand_in(tmp_path, server_source: str, env: dict, *args: str) -> subprocess.CompletedProcess:
+    """``processes.LAUNCHER`` with ``env`` and ``args``, running ``server_source`` as ``sglang.launch_server``."""
+    from jaxrl.rollout.sglang.processes import LAUNCHER
+
+    (tmp_path / "sglang").mkdir(exist_ok=True)
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "launch_server.py").write_text(server_source)
+    return subprocess.run([sys.executable, "-c", LAUNCHER, *args], env={**env, "PYTHONPATH": str(tmp_path)},
+                          capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.parametrize("key", ["-starts-with-a-dash", "plain_key", ""])
 def test_the_launcher_hands_any_api_key_to_the_server(tmp_path, key):
     """Before: ``--api-key KEY`` as two arguments, so a key starting with "-" (1 in 64 of
     ``secrets.token_urlsafe``'s) read as a missing value: "argument --api-key: expected one argument",
     and the suite's keyed fleet failed to start, every SGLang test with it."""
-    from jaxrl.rollout.sglang.processes import LAUNCH_API_KEY_ENV, LAUNCHER
+    from jaxrl.rollout.sglang.processes import LAUNCH_API_KEY_ENV
 
-    (tmp_path / "sglang").mkdir()
-    (tmp_path / "sglang" / "__init__.py").write_text("")
-    (tmp_path / "sglang" / "launch_server.py").write_text(_ARGPARSE_SERVER)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "JAXRL_SGLANG_PARENT_PID": str(os.getpid()),
-           LAUNCH_API_KEY_ENV: key}
-    done = subprocess.run([sys.executable, "-c", LAUNCHER, "--port", "30000"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    env = {**os.environ, "JAXRL_SGLANG_PARENT_PID": str(os.getpid()), LAUNCH_API_KEY_ENV: key}
+    done = _launch_stand_in(tmp_path, _ARGPARSE_SERVER, env, "--port", "30000")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"port": 30000, "api_key": key or None}
 
@@ -150,14 +156,9 @@ print(multiprocessing.get_start_method())
 
 
 def test_the_launcher_forks_the_children_of_a_cpu_server_and_spawns_those_of_a_gpu_server(tmp_path):
-    from jaxrl.rollout.sglang.processes import LAUNCHER
-
-    (tmp_path / "sglang").mkdir()
-    (tmp_path / "sglang" / "__init__.py").write_text("")
-    (tmp_path / "sglang" / "launch_server.py").write_text(_START_METHOD_SERVER)
     for device, method in (("cpu", "fork"), ("cuda", "spawn")):
-        env = {**ServerConfig(model_path="/m", device=device).environment(), "PYTHONPATH": str(tmp_path)}
-        done = subprocess.run([sys.executable, "-c", LAUNCHER], env=env, capture_output=True, text=True, timeout=60)
+        environment = ServerConfig(model_path="/m", device=device).environment()
+        done = _launch_stand_in(tmp_path, _START_METHOD_SERVER, environment)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == method, device
 
