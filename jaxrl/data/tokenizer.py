@@ -47,10 +47,8 @@ def load_tokenizer(path: str):
         except (ValueError, OSError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise InputError(f"{tokenizer_json} is not valid JSON ({one_line(e)}); the file is truncated or "
                              f"corrupt: copy it again, or re-save the tokenizer with save_pretrained") from e
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = _tokenizer_class(path, present).from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, TypeError, tokenizers' Exception...
         raise InputError(f"tokenizer folder {path!r} cannot be loaded by transformers ({type(e).__name__}: "
                          f"{one_line(e)}); expected {_EXPECTED}") from e
@@ -60,6 +58,34 @@ def load_tokenizer(path: str):
     if tokenizer.pad_token_id is None:  # a pad only fills rows and is masked out of every loss: any id does
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+# The tokenizer_class values saved by transformers' own generic fast tokenizer (ours, make_char_tokenizer's).
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(path: str, present: list[str]):
+    """The class ``AutoTokenizer`` would load ``path`` with, without importing ``AutoTokenizer``
+    where that class is plain: a folder with no model config.json whose tokenizer_config.json
+    names transformers' generic fast tokenizer (and no ``auto_map``) is loaded by
+    ``AutoTokenizer`` with exactly that class. ``AutoTokenizer``'s module imports torch (through
+    transformers' model configurations): 3-4 s of a CLI's start on a 2-core machine, for a class
+    it would not use. Every other folder (a model's, a Qwen tokenizer's) goes through
+    ``AutoTokenizer``, which resolves the model-specific class."""
+    config = {}
+    if "config.json" not in present and "tokenizer_config.json" in present:
+        try:
+            with open(os.path.join(path, "tokenizer_config.json"), "rb") as f:
+                config = json.loads(f.read().decode("utf-8"))
+        except (ValueError, OSError, RecursionError):
+            config = {}  # AutoTokenizer reads it again and names what is wrong
+    if isinstance(config, dict) and config.get("tokenizer_class") in _GENERIC_CLASSES and "auto_map" not in config:
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def stop_token_ids(tokenizer, model_path: str = "") -> tuple[int, ...]:

@@ -2,6 +2,9 @@
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -184,6 +187,52 @@ def test_chat_template_is_applied_when_present(tmp_path):
     assert tok.decode(encode_prompt(tok, "1+1=", use_chat_template=False)) == "1+1="
     assert (tok.decode(encode_prompt(tok, "1+1=", system_prompt="be brief"))
             == "<system>be brief\n<user>1+1=\n<assistant>")
+
+
+_LOADED_IN_A_FRESH_PROCESS = """
+import json, sys
+from jaxrl.data import encode_prompt, load_tokenizer
+for folder in sys.argv[2:]:
+    tok = load_tokenizer(folder)
+    print(json.dumps({"torch imported": "torch" in sys.modules, "class": type(tok).__name__,
+                      "ids": encode_prompt(tok, sys.argv[1]), "specials": tok.all_special_tokens,
+                      "pad, eos": [tok.pad_token_id, tok.eos_token_id], "size": len(tok)}))
+"""
+
+
+def test_a_tokenizer_loads_as_auto_tokenizer_loads_it(tmp_path):
+    """load_tokenizer gives what ``AutoTokenizer`` gives: the same class, ids through the chat template,
+    special tokens, pad and eos. A folder with no model config.json whose tokenizer_config.json names the
+    generic fast tokenizer (TokenizersBackend; PreTrainedTokenizerFast from transformers 4) skips
+    ``AutoTokenizer``'s import of torch, a CLI's start on a tokenizer-only folder; a model folder and a
+    model-specific class go through ``AutoTokenizer``. One fresh process loads the folders in this order."""
+    from transformers import AutoTokenizer
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
+               "{% if add_generation_prompt %}<assistant>{% endif %}"
+    cases = [("TokenizersBackend", False), ("PreTrainedTokenizerFast", False), ("TokenizersBackend", True),
+             ("Qwen2Tokenizer", False)]
+    folders = []
+    for i, (tokenizer_class, model_config) in enumerate(cases):
+        folder = tmp_path / f"tok{i}"
+        make_char_tokenizer(str(folder), ALPHABET, words=[r"\boxed{", "}"], chat_template=template)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": tokenizer_class}))
+        if model_config:
+            (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+        folders.append(str(folder))
+    text = r"12+7=\boxed{19}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _LOADED_IN_A_FRESH_PROCESS, text, *folders], capture_output=True,
+                         text=True, env=env, check=True)
+    loaded = [json.loads(line) for line in out.stdout.splitlines()[-len(cases):]]
+    assert [ours.pop("torch imported") for ours in loaded] == [False, False, True, True]
+    for ours, folder in zip(loaded, folders, strict=True):
+        theirs = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        assert ours == {"class": type(theirs).__name__, "ids": encode_prompt(theirs, text),
+                        "specials": theirs.all_special_tokens,
+                        "pad, eos": [theirs.pad_token_id, theirs.eos_token_id], "size": len(theirs)}, folder
+    assert [ours["class"] for ours in loaded] == ["TokenizersBackend"] * 3 + ["Qwen2Tokenizer"]
 
 
 def _mixed_examples(tokenizer, tmp_path, counts):
