@@ -134,6 +134,8 @@ def _moe_config():
 # fixture name -> (model config, number of servers, API key)
 _FLEETS = {"sglang_dense": (_dense_config, 1, secrets.token_urlsafe(16)), "sglang_moe": (_moe_config, 2, "")}
 _FLEETS_USED = pytest.StashKey[set]()
+_FLEET_TESTS_LEFT = pytest.StashKey[int]()
+_FLEETS_RUNNING = pytest.StashKey[dict]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's loadgroup reads the marks
@@ -151,7 +153,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _uses_sglang(item) -> bool:
-    return item.get_closest_marker("sglang") is not None or bool(set(getattr(item, "fixturenames", ())) & set(_FLEETS))
+    return item.get_closest_marker("sglang") is not None or _uses_a_fleet(item)
 
 
 # Module-scoped fixtures that take a second or less to build (small files, a character tokenizer,
@@ -170,13 +172,35 @@ def _shares_fixtures(item) -> bool:
 
 
 class _FleetsUsed:
-    """Records the fleets the selected tests use (a plugin object: this module's own
-    ``pytest_collection_modifyitems`` must run first, this one last)."""
+    """Records the fleets the selected tests use and how many tests use one (a plugin object: this
+    module's own ``pytest_collection_modifyitems`` must run first, this one last)."""
 
     @pytest.hookimpl(trylast=True)  # after -k / -m deselection: count only the tests that will run
     def pytest_collection_modifyitems(self, config, items):
         config.stash[_FLEETS_USED] = {name for item in items for name in getattr(item, "fixturenames", ())
                                       if name in _FLEETS}
+        config.stash[_FLEET_TESTS_LEFT] = sum(_uses_a_fleet(item) for item in items)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        """Stops the fleets after the last test that uses one. Every such test runs on one worker
+        (``pytest_collection_modifyitems``), early in its share, and an idle SGLang scheduler still
+        polls: measured, 1 s of CPU a minute per server, for the rest of the suite."""
+        yield
+        if _uses_a_fleet(item):
+            left = item.config.stash[_FLEET_TESTS_LEFT] = item.config.stash.get(_FLEET_TESTS_LEFT, 1) - 1
+            if left <= 0:
+                _close_fleets(item.config)
+
+
+def _uses_a_fleet(item) -> bool:
+    return bool(set(getattr(item, "fixturenames", ())) & set(_FLEETS))
+
+
+def _close_fleets(config) -> None:
+    fleets = config.stash.get(_FLEETS_RUNNING, {})
+    while fleets:
+        fleets.popitem()[1].close()
 
 
 def pytest_configure(config):
@@ -188,7 +212,7 @@ def _sglang_fleets(request, tmp_path_factory):
     """Every fleet the selected tests use, started side by side at the first test that needs one
     (start-up is mostly Python imports: overlapped, the fleets are up sooner than one by one)."""
     names = sorted(request.config.stash.get(_FLEETS_USED, set()) or _FLEETS)
-    fleets = {}
+    fleets = request.config.stash[_FLEETS_RUNNING] = {}
     try:
         for name in names:
             make_config, num_servers, api_key = _FLEETS[name]
@@ -197,10 +221,9 @@ def _sglang_fleets(request, tmp_path_factory):
         with concurrent.futures.ThreadPoolExecutor(len(fleets)) as pool:
             for future in [pool.submit(fleet.start) for fleet in fleets.values()]:
                 future.result()
-        yield fleets
+        yield dict(fleets)
     finally:
-        for fleet in fleets.values():
-            fleet.close()
+        _close_fleets(request.config)  # those the last test that used one left running
 
 
 @pytest.fixture(scope="session")
