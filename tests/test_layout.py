@@ -5,7 +5,10 @@ to execute the offending import.
 """
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -14,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxrl"
 # Lower layers never import higher ones; packages on the same layer are independent libraries.
 LAYERS = {
     "jaxrl.errors": 0, "jaxrl.process_groups": 0,
-    "jaxrl.config": 1, "jaxrl.distributed": 1, "jaxrl.sandbox": 1,
+    "jaxrl.config": 1, "jaxrl.distributed": 1, "jaxrl.sandbox": 1, "jaxrl.plotting": 1,
     "jaxrl.losses": 2, "jaxrl.models": 2, "jaxrl.data": 2, "jaxrl.reward": 2,
     "jaxrl.rollout": 3,
     "jaxrl.align": 4, "jaxrl.evaluation": 4, "jaxrl.env": 4,
@@ -151,3 +154,16 @@ def test_a_stage_imports_no_other_stage_and_not_the_trainer(name):
 def test_stage_modules_stay_small(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= STAGE_MAX_LINES, f"{MODULES[name]} has {lines} lines (> {STAGE_MAX_LINES}): split the stage"
+
+
+def test_a_command_imports_pyplot_and_torch_only_when_it_uses_them():
+    """Importing the CLI and both trainers leaves out matplotlib's pyplot (drawn through jaxrl.plotting,
+    ~0.2 s) and torch (~3 s: transformers' AutoTokenizer module and SGLang's weight pushes import it):
+    start-up costs every ``jaxrl`` process, a run with ``logging.plots=false`` or the embedded sampler
+    included."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = ("import sys, jaxrl.cli, jaxrl.trainer.rl, jaxrl.trainer.sft; "
+            "print(sorted(m for m in ('matplotlib.pyplot', 'torch', 'transformers.models.auto') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.stdout.split("\n")[-2] == "[]", done.stdout

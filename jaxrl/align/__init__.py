@@ -8,7 +8,7 @@ the learner) and ``jaxrl.align.localize`` (module-by-module activation diffs).
 
 from jaxrl.errors import needs_extra
 
-# Without the [train] extra (matplotlib) an import below names that extra instead of a bare missing module.
+# Without the [train] extra an import below names that extra instead of a bare missing module.
 with needs_extra("jaxrl.align"):
     from jaxrl.align.dump import AlignmentBatch
     from jaxrl.align.gate import Gate, GateResult

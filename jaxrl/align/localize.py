@@ -189,9 +189,10 @@ class Localization:
         """Relative difference per layer, one line per module kind, with the tolerance."""
         import matplotlib.ticker
 
-        from jaxrl.align.plots import plt, save_figure
+        from jaxrl.align.plots import save_figure
+        from jaxrl.plotting import pyplot
 
-        fig, ax = plt.subplots(figsize=(6.5, 4))
+        fig, ax = pyplot().subplots(figsize=(6.5, 4))
         kinds: dict[str, list[tuple[int, float]]] = {}
         for r in self.rows:
             if r.layer is not None:

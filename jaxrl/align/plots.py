@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import os
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-import numpy as np  # noqa: E402
-
-from jaxrl.align.dump import AlignmentBatch  # noqa: E402
-from jaxrl.align.metrics import bucket_metrics, sequence_log_ppl, token_view  # noqa: E402
+from jaxrl.align.dump import AlignmentBatch
+from jaxrl.align.metrics import bucket_metrics, sequence_log_ppl, token_view
+from jaxrl.plotting import pyplot
 
 # Scatter plots of millions of tokens are unreadable and slow; a fixed-seed
 # subsample keeps the picture and the file small.
@@ -37,7 +34,7 @@ def save_figure(fig, path: str) -> str:
     """Writes `fig` to `path` (PNG) and closes it; returns the path."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -45,7 +42,7 @@ def prob_scatter(batch: AlignmentBatch, path: str) -> str:
     """Rollout probability (x) vs learner probability (y) per model token."""
     view = token_view(batch)
     keep = _subsample(view.rollout.size)
-    fig, ax = plt.subplots(figsize=(5.5, 5))
+    fig, ax = pyplot().subplots(figsize=(5.5, 5))
     for label, sel, color in _turn_groups(view.turns[keep]):
         ax.scatter(np.exp(view.rollout[keep][sel]), np.exp(view.learner[keep][sel]),
                    s=3, alpha=0.35, color=color, label=label, rasterized=True)
@@ -58,7 +55,7 @@ def prob_scatter(batch: AlignmentBatch, path: str) -> str:
 
 def log_ppl_scatter(batch: AlignmentBatch, path: str) -> str:
     """Per sequence and turn group: rollout log-perplexity (x) vs learner log-perplexity (y)."""
-    fig, ax = plt.subplots(figsize=(5.5, 5))
+    fig, ax = pyplot().subplots(figsize=(5.5, 5))
     hi = 0.0
     for label, first in (("first model turn", True), ("later turns", False)):
         roll, learn = sequence_log_ppl(batch, first_turn=first)
@@ -80,7 +77,7 @@ def mismatch_vs_prob(batch: AlignmentBatch, path: str) -> str:
     keep = _subsample(view.rollout.size)
     prob = np.maximum(np.exp(view.rollout), 1e-12)
     log_ratio = view.learner - view.rollout
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = pyplot().subplots(figsize=(6.5, 4.5))
     ax.scatter(prob[keep], log_ratio[keep], s=3, alpha=0.3, color="tab:gray", rasterized=True,
                label="token")
     buckets = [row for row in bucket_metrics(view) if row["num_tokens"]]
@@ -100,7 +97,7 @@ def log_ratio_histogram(batch: AlignmentBatch, path: str) -> str:
     """Histogram of the per-token log-ratio log(learner/rollout) (log count axis)."""
     view = token_view(batch)
     log_ratio = view.learner - view.rollout
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     span = float(np.max(np.abs(log_ratio))) if log_ratio.size else 0.0
     bins = np.linspace(-span, span, 81) if span > 0 else np.linspace(-1e-6, 1e-6, 3)
     ax.hist(log_ratio, bins=bins, color="tab:blue", log=True)

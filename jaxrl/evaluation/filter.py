@@ -163,10 +163,9 @@ def _write_summary(path: str, summary: dict) -> None:
 
 def _histogram(path: str, rates: dict[str, list[float]], config: FilterConfig) -> None:
     """One panel per task: prompts per pass rate (one bar per possible value c/n), the band shaded."""
-    import matplotlib
+    from jaxrl.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     n = config.samples
     fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3), squeeze=False)

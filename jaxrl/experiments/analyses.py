@@ -76,10 +76,9 @@ def _forecast(rows: list[dict], fraction: float) -> dict | None:
 
 
 def _law_figure(path: str, fits: dict[str, list[dict]]) -> str:
-    import matplotlib
+    from jaxrl.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for (name, runs), color in zip(fits.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False):

@@ -143,10 +143,9 @@ def gaussian_table() -> tuple[list[str], tuple]:
 
 
 def variance_figure(path: str, stats: dict) -> str:
-    import matplotlib
+    from jaxrl.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.4))
     names = list(stats)

@@ -52,10 +52,9 @@ def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def curves_figure(path: str, groups: dict[str, list[list[dict]]], keys: list[tuple[str, str]], title: str) -> str:
     """One panel per (metric key, label): each group's mean curve over its runs, the spread shaded."""
-    import matplotlib
+    from jaxrl.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, (key, label) in zip(axes[0], keys, strict=True):

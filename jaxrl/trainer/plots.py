@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxrl.plotting import pyplot
 from jaxrl.reward.base import BUILTIN_REWARD_RANGE
 from jaxrl.trainer.metrics import ENTROPY_KEYS
 
@@ -20,17 +21,8 @@ def _series(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(steps, float), np.asarray(values, float)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _figure(title: str, ylabel: str):
-    fig, ax = _pyplot().subplots(figsize=(6.4, 4.0))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.0))
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
@@ -41,7 +33,7 @@ def _figure(title: str, ylabel: str):
 def _save(fig, path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -92,7 +84,7 @@ def _plot_health(rows: Sequence[dict], path: str) -> str | None:
     panels = [panel for panel in panels if len(panel[2])]
     if not panels:
         return None
-    fig, axes = _pyplot().subplots(1, len(panels), figsize=(3.2 * len(panels), 3.0), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(3.2 * len(panels), 3.0), squeeze=False)
     axes = axes[0]
     for ax, (title, key, steps, values) in zip(axes, panels, strict=True):
         ax.plot(steps, values, marker="." if len(steps) < 50 else None)
