@@ -46,10 +46,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="also write the report here")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
 
+    from jaxrl.compile import gpus
+    from jaxrl.errors import InputError
+
+    try:  # a malformed GPU topology is named before the ~3 s of importing JAX and the trainer
+        gpus.parse_topology(args.topology)
+    except InputError as e:
+        print(f"jaxrl compile: {e}", file=sys.stderr)
+        return 2
     from jaxrl.compile import aot, report
     from jaxrl.compile.presets import hf_config_for
     from jaxrl.config import ConfigError, load_config
-    from jaxrl.errors import InputError
     from jaxrl.models import ModelConfig
     from jaxrl.trainer.config import TrainConfig
 
