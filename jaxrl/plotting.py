@@ -17,3 +17,11 @@ def pyplot():
         import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: str, dpi: int) -> str:
+    """Writes ``fig`` to ``path`` (PNG at ``dpi``), laid out tight, and closes it; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path

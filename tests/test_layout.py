@@ -166,4 +166,4 @@ def test_a_command_imports_pyplot_and_torch_only_when_it_uses_them():
             "print(sorted(m for m in ('matplotlib.pyplot', 'torch', 'transformers.models.auto') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
                           env={**os.environ, "PYTHONPATH": str(root)})
-    assert done.stdout.split("\n")[-2] == "[]", done.stdout
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout

@@ -189,8 +189,8 @@ class Localization:
         """Relative difference per layer, one line per module kind, with the tolerance."""
         import matplotlib.ticker
 
-        from jaxrl.align.plots import save_figure
-        from jaxrl.plotting import pyplot
+        from jaxrl.align.plots import DPI
+        from jaxrl.plotting import pyplot, save_figure
 
         fig, ax = pyplot().subplots(figsize=(6.5, 4))
         kinds: dict[str, list[tuple[int, float]]] = {}
@@ -211,7 +211,7 @@ class Localization:
                title=f"{self.labels[0]} vs {self.labels[1]}: first divergence "
                      f"{'none' if first is None else f'layer {first}'}")
         ax.legend(fontsize=8)
-        return save_figure(fig, path)
+        return save_figure(fig, path, dpi=DPI)
 
 
 def compare_activations(a: Mapping[str, Any], b: Mapping[str, Any], *, rtol: float = 1e-5, atol: float = 0.0,

@@ -12,7 +12,9 @@ import numpy as np
 
 from jaxrl.align.dump import AlignmentBatch
 from jaxrl.align.metrics import bucket_metrics, sequence_log_ppl, token_view
-from jaxrl.plotting import pyplot
+from jaxrl.plotting import pyplot, save_figure
+
+DPI = 110
 
 # Scatter plots of millions of tokens are unreadable and slow; a fixed-seed
 # subsample keeps the picture and the file small.
@@ -30,14 +32,6 @@ def _turn_groups(turns: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
     return [g for g in groups if g[1].any()]
 
 
-def save_figure(fig, path: str) -> str:
-    """Writes `fig` to `path` (PNG) and closes it; returns the path."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
-    return path
-
-
 def prob_scatter(batch: AlignmentBatch, path: str) -> str:
     """Rollout probability (x) vs learner probability (y) per model token."""
     view = token_view(batch)
@@ -50,7 +44,7 @@ def prob_scatter(batch: AlignmentBatch, path: str) -> str:
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="rollout probability", ylabel="learner probability",
            title=f"token probabilities ({view.rollout.size} model tokens)")
     ax.legend(loc="upper left", fontsize=8)
-    return save_figure(fig, path)
+    return save_figure(fig, path, dpi=DPI)
 
 
 def log_ppl_scatter(batch: AlignmentBatch, path: str) -> str:
@@ -68,7 +62,7 @@ def log_ppl_scatter(batch: AlignmentBatch, path: str) -> str:
     ax.plot([0, hi], [0, hi], color="black", lw=0.8, ls="--", label="equal")
     ax.set(xlabel="rollout log-ppl", ylabel="learner log-ppl", title="per-sequence log-perplexity")
     ax.legend(loc="upper left", fontsize=8)
-    return save_figure(fig, path)
+    return save_figure(fig, path, dpi=DPI)
 
 
 def mismatch_vs_prob(batch: AlignmentBatch, path: str) -> str:
@@ -90,7 +84,7 @@ def mismatch_vs_prob(batch: AlignmentBatch, path: str) -> str:
     ax.set(xlim=(1e-9, 1.5), xlabel="rollout probability",
            ylabel="log(learner prob / rollout prob)", title="mismatch vs rollout probability")
     ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    return save_figure(fig, path, dpi=DPI)
 
 
 def log_ratio_histogram(batch: AlignmentBatch, path: str) -> str:
@@ -103,7 +97,7 @@ def log_ratio_histogram(batch: AlignmentBatch, path: str) -> str:
     ax.hist(log_ratio, bins=bins, color="tab:blue", log=True)
     ax.set(xlabel="log(learner prob / rollout prob)", ylabel="tokens",
            title=f"per-token log-ratio (max |.| = {span:.3g})")
-    return save_figure(fig, path)
+    return save_figure(fig, path, dpi=DPI)
 
 
 FIGURES = {

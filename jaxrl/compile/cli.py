@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # a malformed GPU topology is named before the ~3 s of importing JAX and the trainer
         gpus.parse_topology(args.topology)
     except InputError as e:
-        print(f"jaxrl compile: {e}", file=sys.stderr)
+        print(f"jaxrl compile: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     from jaxrl.compile import aot, report
     from jaxrl.compile.presets import hf_config_for

@@ -78,7 +78,7 @@ def _tokenizer_class(path: str, present: list[str]):
             with open(os.path.join(path, "tokenizer_config.json"), "rb") as f:
                 config = json.loads(f.read().decode("utf-8"))
         except (ValueError, OSError, RecursionError):
-            config = {}  # AutoTokenizer reads it again and names what is wrong
+            pass  # AutoTokenizer reads it again and names what is wrong
     if isinstance(config, dict) and config.get("tokenizer_class") in _GENERIC_CLASSES and "auto_map" not in config:
         from transformers import TokenizersBackend
 

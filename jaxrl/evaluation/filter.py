@@ -163,7 +163,7 @@ def _write_summary(path: str, summary: dict) -> None:
 
 def _histogram(path: str, rates: dict[str, list[float]], config: FilterConfig) -> None:
     """One panel per task: prompts per pass rate (one bar per possible value c/n), the band shaded."""
-    from jaxrl.plotting import pyplot
+    from jaxrl.plotting import pyplot, save_figure
 
     plt = pyplot()
 
@@ -176,9 +176,7 @@ def _histogram(path: str, rates: dict[str, list[float]], config: FilterConfig) -
                    label=f"kept: ({band.low}, {band.high}]")
         ax.set(title=f"{task}: {len(values)} prompts", xlabel=f"pass rate ({n} samples)", ylabel="prompts")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def _counts(rates: Sequence[float], n: int) -> list[int]:

@@ -76,7 +76,7 @@ def _forecast(rows: list[dict], fraction: float) -> dict | None:
 
 
 def _law_figure(path: str, fits: dict[str, list[dict]]) -> str:
-    from jaxrl.plotting import pyplot
+    from jaxrl.plotting import pyplot, save_figure
 
     plt = pyplot()
 
@@ -90,10 +90,7 @@ def _law_figure(path: str, fits: dict[str, list[dict]]) -> str:
     ax.set_ylabel("train reward")
     ax.set_title("R = -a exp(H) + b, fitted on the first third of each run", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 def analyze_entropy(out: str, spec: dict, records: list[dict]):

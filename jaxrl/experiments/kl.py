@@ -143,7 +143,7 @@ def gaussian_table() -> tuple[list[str], tuple]:
 
 
 def variance_figure(path: str, stats: dict) -> str:
-    from jaxrl.plotting import pyplot
+    from jaxrl.plotting import pyplot, save_figure
 
     plt = pyplot()
 
@@ -155,10 +155,7 @@ def variance_figure(path: str, stats: dict) -> str:
     ax.set_yscale("log")
     ax.set_title("KL estimators' gradients across seeds (demo policy vs SFT reference)", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 def analyze_kl(out: str, spec: dict, records: list[dict]):

@@ -52,7 +52,7 @@ def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def curves_figure(path: str, groups: dict[str, list[list[dict]]], keys: list[tuple[str, str]], title: str) -> str:
     """One panel per (metric key, label): each group's mean curve over its runs, the spread shaded."""
-    from jaxrl.plotting import pyplot
+    from jaxrl.plotting import pyplot, save_figure
 
     plt = pyplot()
 
@@ -76,10 +76,7 @@ def curves_figure(path: str, groups: dict[str, list[list[dict]]], keys: list[tup
             ax.set_yscale("log")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 def write_report(out: str, title: str, intro: str, table: list[tuple], claims: list[tuple[str, str, str]],

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxrl.plotting import pyplot
+from jaxrl.plotting import pyplot, save_figure
 from jaxrl.reward.base import BUILTIN_REWARD_RANGE
 from jaxrl.trainer.metrics import ENTROPY_KEYS
 
@@ -28,13 +28,6 @@ def _figure(title: str, ylabel: str):
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     return fig, ax
-
-
-def _save(fig, path: str) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot().close(fig)
-    return path
 
 
 def entropy_key(rows: Sequence[dict]) -> str:
@@ -75,7 +68,7 @@ def _plot_keys(rows, keys, title, ylabel, path, *, log_y: bool = False) -> str |
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     else:
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=100)
 
 
 def _plot_health(rows: Sequence[dict], path: str) -> str | None:
@@ -92,7 +85,7 @@ def _plot_health(rows: Sequence[dict], path: str) -> str | None:
         ax.set_xlabel("step")
         ax.set_ylabel(key, fontsize=8)
         ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=100)
 
 
 def law_equation(a: float, b: float) -> str:
@@ -170,5 +163,5 @@ def plot_run(rows: Sequence[dict], out_dir: str, *, early_fraction: float = 0.5)
         beyond = f", beyond the rewards' range {list(BUILTIN_REWARD_RANGE)}" if fit["ceiling_beyond_range"] else ""
         ax.axhline(ceiling, color="r", linestyle="--", label=f"predicted ceiling b-a = {ceiling:.3g}{beyond}")
         ax.legend(fontsize=8)
-        written["entropy_law"] = _save(fig, os.path.join(out_dir, "entropy_law.png"))
+        written["entropy_law"] = save_figure(fig, os.path.join(out_dir, "entropy_law.png"), dpi=100)
     return {name: path for name, path in written.items() if path}
