@@ -273,8 +273,10 @@ def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, ta
     # on sequence=8 the per-device head's gradient under Ulysses is 1.2e-2 off one device's (one
     # column: the token that fills the row), where under the ring it agrees to 9e-8 and the
     # partitioner's agrees under both (bench/long_context_sft.py). Not the head's own arithmetic: on
-    # the same 65,536 tokens alone, split contiguously or zig-zag, it agrees to 6e-8; the cause is
-    # not found yet.
+    # the same 65,536 tokens alone, split contiguously or zig-zag, it agrees to 6e-8. Not the machine
+    # code either: XLA's CPU fusion emitters on or off give bit-identical steps. It depends on the
+    # length (vocabulary of 8,192: 2.4e-6 at 16K, 9.9e-6 at 32K, 2.0e-2 at 64K) and on the chunk
+    # (at 64K: chunks of 256 agree to 1e-7, of 1,024 and 8,192 do not); the cause is not found yet.
     if spec is None or not split(spec[0]) or split(spec[1]):
         return token_logprobs_and_entropy(hidden, lm_head, targets, bias=bias, **options)
     whole = PartitionSpec()
