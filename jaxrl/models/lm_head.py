@@ -270,18 +270,11 @@ def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, ta
         return any(mesh.shape[axis] > 1 for axis in ((entry,) if isinstance(entry, str) else entry or ()))
 
     # A row split along its length (context parallelism) keeps XLA's partitioning: at 65,536 tokens
-    # on sequence=8 the per-device head's gradient under Ulysses is 1.2e-2 off one device's (one
-    # column: the token that fills the row), where under the ring it agrees to 9e-8 and the
-    # partitioner's agrees under both (bench/long_context_sft.py). Not the head's own arithmetic: on
-    # the same 65,536 tokens alone, split contiguously or zig-zag, it agrees to 6e-8. Not the machine
-    # code or the schedule either: XLA's CPU fusion emitters, concurrency-optimised scheduler or
-    # XNNPACK on or off give bit-identical steps. It depends on the length (vocabulary of 8,192:
-    # 2.4e-6 at 16K, 9.9e-6 at 32K, 2.0e-2 at 64K) and on the chunk (at 64K: chunks of 256 agree to
-    # 1e-7, of 1,024 and 8,192 do not). With random digits in the row, the loss is bit-identical and
-    # every other parameter's gradient agrees to 1e-7 (so the hidden states' gradient is right); only
-    # the LM head's falls short: in the columns of the row's tokens every entry is smaller in magnitude
-    # than the reference's (6% of the norm), so part of its sum over tokens or devices is lost. The
-    # cause is not found yet.
+    # on sequence=8 the per-device head's LM-head gradient under Ulysses falls 1.2e-2 short of one
+    # device's, where under the ring it agrees to 9e-8 and the partitioner's agrees under both
+    # (bench/long_context_sft.py). The loss and every other gradient agree, and the head alone on the
+    # same tokens agrees to 6e-8, so part of the head's sum is lost inside the step; the gap depends on
+    # the length (1e-5 at 32K) and the chunk size, not on XLA's CPU code or schedule. Cause not found yet.
     if spec is None or not split(spec[0]) or split(spec[1]):
         return token_logprobs_and_entropy(hidden, lm_head, targets, bias=bias, **options)
     whole = PartitionSpec()
