@@ -10,8 +10,8 @@ float32) on ``--devices`` CPU devices with the batch split over ``fsdp``, two wa
   before: the token-chunk loop indexes the sharded token axis, so XLA gathers the whole batch's
   hidden states on every device and each device computes the head for all of it;
 - ``sharded``: ``sharded_token_logprobs_and_entropy`` (the decoder's call now): ``shard_map``
-  over the batch and length axes, each device on its own tokens, one all-reduce of the head's
-  gradient.
+  over the batch and length axes, each device on its own tokens, the head split by rows over the
+  devices: one vocabulary tile gathered at a time, its gradient reduce-scattered.
 
 Prints per way: the compiled program's collectives and per-device temporaries
 (``memory_analysis()``, deterministic), and the median wall time of ``--repeats`` calls (the
@@ -80,10 +80,11 @@ def main():
                     times[name].append(time.perf_counter() - start)
     for name in ways:
         text = compiled[name].as_text()
-        gathers, reduces = (len(re.findall(rf"= \S+ {op}\(", text)) for op in ("all-gather", "all-reduce"))
+        gathers, reduces, scatters = (len(re.findall(rf"= \S+ {op}(?:-start)?\(", text))
+                                      for op in ("all-gather", "all-reduce", "reduce-scatter"))
         temp = compiled[name].memory_analysis().temp_size_in_bytes / MIB
         print(f"{name:>12}: {statistics.median(times[name]):7.2f} s, {gathers} all-gathers, {reduces} all-reduces, "
-              f"{temp:8.1f} MiB temporaries per device")
+              f"{scatters} reduce-scatters, {temp:8.1f} MiB temporaries per device")
     difference = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
                      for a, b in zip(results["partitioner"], results["sharded"], strict=True))
     print(f"gradients agree to {difference:.1e} of their scale")

@@ -313,7 +313,7 @@ class Decoder(nnx.Module):
     def token_logprobs(self, input_ids, positions, segment_ids, targets, *, chunk_size: int = 1024,
                        vocab_chunk_size: int | None = 16384, routed_experts: jax.Array | None = None):
         """log p(targets) and next-token entropy, each [B, T] float32, via the chunked LM head
-        (`jaxrl.models.lm_head`, each device on its own rows), plus the DecoderOutput;
+        (`jaxrl.models.lm_head`, each device on its own tokens), plus the DecoderOutput;
         ``routed_experts`` as in ``__call__`` (routing replay)."""
         out = self(input_ids, positions, segment_ids, routed_experts=routed_experts)
         dtype = self.config.compute_dtype

@@ -12,15 +12,18 @@ time, and recomputes each tile in the backward pass (the Liger idea used by
 Motif), so no ``[B, T, V]`` array is ever held.
 
 On a mesh, :func:`sharded_token_logprobs_and_entropy` runs it per device on the device's own
-rows (``jax.shard_map`` over the ``batch`` logical axis): left to XLA's
+tokens (``jax.shard_map`` over the ``batch`` and ``length`` logical axes): left to XLA's
 partitioner, the token-chunk loop indexes a sharded axis, so every device gathered the whole
 batch's hidden states and computed the head for all of it (measured: 8 devices each looping over
-all 64 chunks of an ``[8, 8192]`` batch instead of their 8).
+all 64 chunks of an ``[8, 8192]`` batch instead of their 8). The head weight stays split by rows
+over those devices: each vocabulary tile is gathered as the loop reaches it and its gradient
+reduce-scattered as the backward loop leaves it.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,17 +44,22 @@ def _check_array(name, x, rank, kind):
         raise ValueError(f"{name} has dtype {dtype} but {label} dtype was expected; cast it with .astype({cast})")
 
 
-def _vocab_tile(lm_head, bias, tile_index, vocab_chunk, compute_dtype):
+def _vocab_tile(lm_head, bias, tile_index, vocab_chunk, compute_dtype, gather_axes):
     """Columns of tile ``tile_index``: (first column, weight [D, vc] in ``compute_dtype``, bias [vc] f32 or
     None, col ids, valid).
 
     The last tile is clamped to end at ``V`` instead of padding the weight (a
     padded copy of a 150k-column head would cost as much as the head); its
-    columns that the previous tile already covered are marked invalid.
+    columns that the previous tile already covered are marked invalid. With
+    ``gather_axes`` (inside ``shard_map``) ``lm_head`` is this device's ``[D / n, V]``
+    rows and the tile's rows are gathered from the ``n`` devices of those mesh axes,
+    already in ``compute_dtype``.
     """
     vocab = lm_head.shape[1]
     start = jnp.minimum(tile_index * vocab_chunk, vocab - vocab_chunk)
     weight = jax.lax.dynamic_slice_in_dim(lm_head, start, vocab_chunk, axis=1).astype(compute_dtype)
+    if gather_axes:
+        weight = jax.lax.all_gather(weight, gather_axes, axis=0, tiled=True)
     tile_bias = None
     if bias is not None:
         tile_bias = jax.lax.dynamic_slice_in_dim(bias, start, vocab_chunk).astype(jnp.float32)
@@ -67,7 +75,7 @@ def _tile_logits(h, weight, tile_bias):
     return z if tile_bias is None else z + tile_bias
 
 
-def _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype):
+def _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype, gather_axes):
     """Online logsumexp over vocab tiles. Returns (logp, entropy, lse), each [nc, c] f32.
 
     Per token it keeps the running max ``m``, ``s = sum exp(z - m)``,
@@ -81,7 +89,7 @@ def _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype):
 
     def vocab_step(j, carry):
         m, s, t, z_target = carry
-        _, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk, compute_dtype)
+        _, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk, compute_dtype, gather_axes)
 
         def token_step(i, inner):
             m, s, t, z_target = inner
@@ -110,24 +118,27 @@ def _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype):
     return z_target - lse, log_s - t / s, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked_head(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype):
-    logp, entropy, _ = _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _chunked_head(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype, gather_axes):
+    logp, entropy, _ = _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype, gather_axes)
     return logp, entropy
 
 
-def _chunked_head_fwd(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype):
-    logp, entropy, lse = _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype)
+def _chunked_head_fwd(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype, gather_axes):
+    logp, entropy, lse = _head_forward(hidden, lm_head, bias, targets, vocab_chunk, compute_dtype, gather_axes)
     return (logp, entropy), (hidden, lm_head, bias, targets, lse, entropy)
 
 
-def _chunked_head_bwd(vocab_chunk, compute_dtype, residuals, cotangents):
+def _chunked_head_bwd(vocab_chunk, compute_dtype, gather_axes, residuals, cotangents):
     """Recomputes each tile's logits; d logp/dz = onehot - p, dH/dz = -p (log p + H).
 
     Vocab tiles outside, token chunks inside: the weight gradient of a tile is
     accumulated in float32 over all tokens and written once in ``lm_head``'s own
     dtype (a float32 parameter's gradient is never rounded to the compute dtype);
-    the hidden gradient [N, D] is accumulated in float32.
+    the hidden gradient [N, D] is accumulated in float32. With ``gather_axes`` each
+    tile's weight gradient is summed over those devices and scattered back to the
+    rows each holds (a reduce-scatter per tile), so no device holds a whole
+    ``[D, V]`` gradient.
     """
     hidden, lm_head, bias, targets, lse, entropy = residuals
     g_logp, g_entropy = cotangents
@@ -137,7 +148,8 @@ def _chunked_head_bwd(vocab_chunk, compute_dtype, residuals, cotangents):
 
     def vocab_step(j, carry):
         d_hidden, d_head, d_bias = carry
-        start, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk, compute_dtype)
+        start, weight, tile_bias, cols, valid = _vocab_tile(lm_head, bias, j, vocab_chunk, compute_dtype,
+                                                            gather_axes)
         weight_f32 = weight.astype(f32)
 
         def token_step(i, inner):
@@ -155,6 +167,8 @@ def _chunked_head_bwd(vocab_chunk, compute_dtype, residuals, cotangents):
 
         tile_init = (d_hidden, jnp.zeros(weight.shape, f32), jnp.zeros((vocab_chunk,), f32))
         d_hidden, d_weight, d_tile_bias = jax.lax.fori_loop(0, num_chunks, token_step, tile_init)
+        if gather_axes:
+            d_weight = jax.lax.psum_scatter(d_weight, gather_axes, scatter_dimension=0, tiled=True)
         # Keep the columns an earlier (overlapping) tile already wrote.
         old = jax.lax.dynamic_slice_in_dim(d_head, start, vocab_chunk, axis=1)
         d_weight = jnp.where(valid, d_weight.astype(d_head.dtype), old)
@@ -172,6 +186,35 @@ def _chunked_head_bwd(vocab_chunk, compute_dtype, residuals, cotangents):
 
 
 _chunked_head.defvjp(_chunked_head_fwd, _chunked_head_bwd)
+
+
+def _check_inputs(hidden, lm_head, targets, bias, chunk_size, vocab_chunk_size):
+    """Errors naming the argument for what :func:`token_logprobs_and_entropy` cannot take."""
+    _check_array("hidden", hidden, 3, jnp.floating)
+    _check_array("lm_head", lm_head, 2, jnp.floating)
+    _check_array("targets", targets, None, jnp.integer)
+    batch, length, dim = hidden.shape
+    if lm_head.shape[0] != dim:
+        raise ValueError(
+            f"lm_head has shape {lm_head.shape} but hidden has hidden size {dim}; "
+            f"expected lm_head of shape [{dim}, V] (transpose an [V, D] embedding table)"
+        )
+    if targets.shape != (batch, length):
+        raise ValueError(
+            f"targets has shape {targets.shape} but hidden has shape {hidden.shape}; "
+            f"expected targets of shape {(batch, length)}"
+        )
+    vocab = lm_head.shape[1]
+    if bias is not None:
+        _check_array("bias", bias, None, jnp.floating)
+        if bias.shape != (vocab,):
+            raise ValueError(f"bias has shape {bias.shape} but shape {(vocab,)} was expected")
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r} but a positive integer was expected")
+    if vocab_chunk_size is not None and (not isinstance(vocab_chunk_size, int) or vocab_chunk_size <= 0):
+        raise ValueError(
+            f"vocab_chunk_size={vocab_chunk_size!r} but a positive integer or None was expected")
+
 
 
 def token_logprobs_and_entropy(
@@ -210,31 +253,14 @@ def token_logprobs_and_entropy(
       ``hidden``, ``lm_head`` and ``bias`` (reverse mode; gradients come back in
       the inputs' dtypes).
     """
-    _check_array("hidden", hidden, 3, jnp.floating)
-    _check_array("lm_head", lm_head, 2, jnp.floating)
-    _check_array("targets", targets, None, jnp.integer)
-    batch, length, dim = hidden.shape
-    if lm_head.shape[0] != dim:
-        raise ValueError(
-            f"lm_head has shape {lm_head.shape} but hidden has hidden size {dim}; "
-            f"expected lm_head of shape [{dim}, V] (transpose an [V, D] embedding table)"
-        )
-    if targets.shape != (batch, length):
-        raise ValueError(
-            f"targets has shape {targets.shape} but hidden has shape {hidden.shape}; "
-            f"expected targets of shape {(batch, length)}"
-        )
-    vocab = lm_head.shape[1]
-    if bias is not None:
-        _check_array("bias", bias, None, jnp.floating)
-        if bias.shape != (vocab,):
-            raise ValueError(f"bias has shape {bias.shape} but shape {(vocab,)} was expected")
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r} but a positive integer was expected")
-    if vocab_chunk_size is not None and (not isinstance(vocab_chunk_size, int) or vocab_chunk_size <= 0):
-        raise ValueError(
-            f"vocab_chunk_size={vocab_chunk_size!r} but a positive integer or None was expected")
+    _check_inputs(hidden, lm_head, targets, bias, chunk_size, vocab_chunk_size)
+    return _token_head(hidden, lm_head, targets, bias, chunk_size, vocab_chunk_size, compute_dtype, ())
 
+
+def _token_head(hidden, lm_head, targets, bias, chunk_size, vocab_chunk_size, compute_dtype, gather_axes):
+    """:func:`token_logprobs_and_entropy` on checked inputs; ``gather_axes`` as in :func:`_vocab_tile`."""
+    batch, length, dim = hidden.shape
+    vocab = lm_head.shape[1]
     num_tokens = batch * length
     chunk = min(chunk_size, num_tokens)
     vocab_chunk = vocab if vocab_chunk_size is None else min(vocab_chunk_size, vocab)
@@ -243,41 +269,42 @@ def token_logprobs_and_entropy(
     y = jnp.pad(targets.reshape(num_tokens).astype(jnp.int32), (0, pad))
     logp, entropy = _chunked_head(h.reshape(-1, chunk, dim), lm_head, bias,
                                   y.reshape(-1, chunk), vocab_chunk,
-                                  lm_head.dtype if compute_dtype is None else compute_dtype)
+                                  lm_head.dtype if compute_dtype is None else compute_dtype, gather_axes)
     unpad = lambda x: x.reshape(-1)[:num_tokens].reshape(batch, length)
     return unpad(logp), unpad(entropy)
 
 
 def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, *,
-                                       bias: jax.Array | None = None, **options) -> tuple[jax.Array, jax.Array]:
+                                       chunk_size: int = 1024, vocab_chunk_size: int | None = 16384,
+                                       bias: jax.Array | None = None,
+                                       compute_dtype=None) -> tuple[jax.Array, jax.Array]:
     """:func:`token_logprobs_and_entropy` on each device's own tokens under the current mesh.
 
-    ``hidden`` ``[B, T, D]`` and ``targets`` ``[B, T]`` are split as the ``batch`` logical axis is
-    (``jaxrl.models.sharding``); each device runs the chunked head on its ``[B / b, T]`` rows with
-    the whole LM head (the tensor axis's vocabulary shards are
-    gathered, as the unsharded head needs too), and the LM head's gradient is summed over the
-    devices once, after the loop, in ``lm_head``'s own dtype: pass the parameter (float32) and
-    ``compute_dtype`` (e.g. bfloat16, what the matmuls take), so no device's partial gradient is
-    rounded to bfloat16 before the sum. Per-token values do not depend on the split;
-    ``chunk_size`` counts a device's tokens. Without a mesh that splits the rows, or
-    with one that splits a row along its length (``sequence``), it is
-    :func:`token_logprobs_and_entropy` under XLA's partitioning.
+    ``hidden`` ``[B, T, D]`` and ``targets`` ``[B, T]`` are split as the ``batch`` and ``length``
+    logical axes are (``jaxrl.models.sharding``: rows over the data axes, a row's tokens over
+    ``sequence`` under context parallelism), and each device runs the chunked head on its
+    ``[B / b, T / s]`` tokens. The LM head ``[D, V]`` comes in split by rows over the same ``n``
+    devices (when ``n`` divides ``D``; otherwise whole): each vocabulary tile is gathered in
+    ``compute_dtype`` as the loop reaches it, and its gradient is summed over the devices and
+    scattered back to their rows as the backward loop leaves it, in ``lm_head``'s own dtype. No
+    device holds the whole head or its whole gradient (at Qwen3-8B's 4,096 x 151,936 in float32,
+    2.3 GiB each), and no device's partial gradient is rounded to bfloat16: pass the parameter
+    (float32) and ``compute_dtype`` (e.g. bfloat16, what the matmuls take). Per-token values do
+    not depend on the split; ``chunk_size`` counts a device's tokens. Without a mesh that splits
+    the tokens it is :func:`token_logprobs_and_entropy`.
     """
+    _check_inputs(hidden, lm_head, targets, bias, chunk_size, vocab_chunk_size)
     mesh = jax.sharding.get_abstract_mesh()
     spec = None if mesh.empty else logical_to_spec(("batch", "length"), targets.shape, mesh)
-
-    def split(entry) -> bool:
-        return any(mesh.shape[axis] > 1 for axis in ((entry,) if isinstance(entry, str) else entry or ()))
-
-    # A row split along its length (context parallelism) keeps XLA's partitioning: at 65,536 tokens
-    # on sequence=8 the per-device head's LM-head gradient under Ulysses falls 1.2e-2 short of one
-    # device's, where under the ring it agrees to 9e-8 and the partitioner's agrees under both
-    # (bench/long_context_sft.py). The loss and every other gradient agree, and the head alone on the
-    # same tokens agrees to 6e-8, so part of the head's sum is lost inside the step; the gap depends on
-    # the length (1e-5 at 32K) and the chunk size, not on XLA's CPU code or schedule. Cause not found yet.
-    if spec is None or not split(spec[0]) or split(spec[1]):
-        return token_logprobs_and_entropy(hidden, lm_head, targets, bias=bias, **options)
-    whole = PartitionSpec()
-    return jax.shard_map(lambda h, w, y, b: token_logprobs_and_entropy(h, w, y, bias=b, **options),
-                         in_specs=(PartitionSpec(*spec, None), whole, spec, whole),
+    token_axes = () if spec is None else tuple(
+        axis for entry in spec for axis in ((entry,) if isinstance(entry, str) else entry or ())
+        if mesh.shape[axis] > 1)
+    if not token_axes:
+        return _token_head(hidden, lm_head, targets, bias, chunk_size, vocab_chunk_size, compute_dtype, ())
+    gather_axes = token_axes if lm_head.shape[0] % math.prod(mesh.shape[a] for a in token_axes) == 0 else ()
+    head = functools.partial(_token_head, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+                             compute_dtype=compute_dtype, gather_axes=gather_axes)
+    return jax.shard_map(head,
+                         in_specs=(PartitionSpec(*spec, None), PartitionSpec(gather_axes or None, None), spec,
+                                   PartitionSpec()),
                          out_specs=(spec, spec), check_vma=False)(hidden, lm_head, targets, bias)

@@ -141,13 +141,18 @@ def test_chunked_head_never_holds_full_logits():
     assert chunked < full_logits_bytes / 4, (chunked, full_logits_bytes)
 
 
-@pytest.mark.parametrize("mesh_shape", [{"data": 2, "fsdp": 4}, {"fsdp": 8}, {"fsdp": 2, "tensor": 4}])
-def test_on_a_mesh_each_device_runs_the_head_on_its_own_tokens(mesh_shape):
+@pytest.mark.parametrize("mesh_shape, dim", [({"data": 2, "fsdp": 4}, 16), ({"fsdp": 8}, 16),
+                                             ({"fsdp": 2, "tensor": 4}, 16), ({"sequence": 8}, 16),
+                                             ({"data": 2, "sequence": 4}, 16), ({"fsdp": 8}, 12)])
+def test_on_a_mesh_each_device_runs_the_head_on_its_own_tokens(mesh_shape, dim):
     """Left to XLA's partitioner, the token-chunk loop indexes a sharded axis: every device gathers
-    the whole batch's hidden states and runs the head on all of it. The sharded head gathers
-    nothing: each device loops over its own chunks, and the LM head's gradient is summed once
-    (one all-reduce); values and gradients equal one device's."""
-    batch, length, dim, vocab = 8, 64, 16, 300
+    the whole batch's hidden states and runs the head on all of it. The sharded head gathers no
+    hidden state, whether the rows or a row's tokens (``sequence``) are split: each device loops
+    over its own chunks; the only gathers are of one vocabulary tile of the head (forward, and
+    again backward), and the head's gradient leaves each tile as one reduce-scatter, so no device
+    holds the whole head or its gradient. When the devices do not divide the hidden size (12 over
+    8), each holds the head whole and nothing is gathered. Values and gradients equal one device's."""
+    batch, length, vocab = 8, 64, 300
     keys = jax.random.split(jax.random.key(1), 4)
     hidden = jax.random.normal(keys[0], (batch, length, dim))
     lm_head = jax.random.normal(keys[1], (dim, vocab))
@@ -171,20 +176,22 @@ def test_on_a_mesh_each_device_runs_the_head_on_its_own_tokens(mesh_shape):
         for name, head in (("sharded", sharded_token_logprobs_and_entropy),
                            ("partitioner", token_logprobs_and_entropy)):
             text = gradient(head).lower(*on_mesh).compile().as_text()
-            collectives[name] = {op: len(re.findall(rf"= \S+ {op}\(", text)) for op in ("all-gather", "all-reduce")}
+            collectives[name] = re.findall(r"= (\S+?)(?:\{[\d,]*\})? (all-gather|reduce-scatter)(?:-start)?\(", text)
     for expected, actual in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
-    assert collectives["sharded"] == {"all-gather": 0, "all-reduce": 1}, collectives
-    assert collectives["partitioner"]["all-gather"] > 0, collectives  # what the sharded head avoids
+    tile, token_devices = f"f32[{dim},128]", mesh.size // mesh.shape["tensor"]
+    split_head = [(tile, "all-gather")] * 2 + [(f"f32[{dim // token_devices},128]", "reduce-scatter")]
+    assert sorted(collectives["sharded"]) == (split_head if dim % token_devices == 0 else []), collectives
+    assert any(shape != tile for shape, op in collectives["partitioner"] if op == "all-gather"), collectives
 
 
 @pytest.mark.parametrize("mesh_shape", [{"fsdp": 8}, {"sequence": 8}])
 def test_bfloat16_compute_keeps_the_heads_gradient_in_float32(mesh_shape):
     """``compute_dtype``: the matmuls take bfloat16 tiles, but the float32 head's gradient is never
     rounded to bfloat16, on one device or on each device before the devices' sum (rounded, eight
-    partials gave a gradient that depends on which tokens each device holds). The rows (the
-    per-device head), or a row's tokens (XLA's partitioning), are split over 8 devices and the
-    gradient equals one device's to float32 summation order."""
+    partials gave a gradient that depends on which tokens each device holds). The rows, or a row's
+    tokens, are split over 8 devices and the gradient equals one device's to float32 summation
+    order."""
     batch, length, dim, vocab = 8, 32, 16, 300
     keys = jax.random.split(jax.random.key(2), 3)
     hidden = jax.random.normal(keys[0], (batch, length, dim)).astype(jnp.bfloat16)
