@@ -113,21 +113,24 @@ def test_bad_input_exits_2(tmp_path):
 
 
 def test_an_sft_curriculum_compiles_a_train_step_per_stage_length(tmp_path):
-    """What ``jaxrl sft`` runs: a stage of 512 and one of 2,048 tokens (given twice: one program) on
-    ``fsdp=2 x sequence=2`` with Ulysses; each row's 2 x 256 or 2 x 1,024 tokens per chip."""
-    stages = [{"steps": 5, "max_length": 512}, {"steps": 5, "max_length": 2048}, {"steps": 5, "max_length": 2048}]
-    config = sft_config(tmp_path, dict(ARCHITECTURE, max_position_embeddings=2048), {"fsdp": 2, "sequence": 2},
+    """What ``jaxrl sft`` runs: a stage of 512 and one of 4,096 tokens (given twice: one program) on
+    ``fsdp=2 x sequence=2`` with Ulysses; each row's 2 x 256 or 2 x 2,048 tokens per chip. The long
+    stage is long enough for its activations to outweigh what every step holds whatever its length
+    (at 2,048 they did not: 11.7 against 12.8 MB of temporaries, once each chip ran the LM head on
+    its own tokens)."""
+    stages = [{"steps": 5, "max_length": 512}, {"steps": 5, "max_length": 4096}, {"steps": 5, "max_length": 4096}]
+    config = sft_config(tmp_path, dict(ARCHITECTURE, max_position_embeddings=4096), {"fsdp": 2, "sequence": 2},
                         stages, attention_impl="splash")
     done, report = _compile(config, "v5e:2x2", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     programs = programs_by_name(report)
-    assert set(programs) == {"sft_step_512", "sft_step_2048"}
+    assert set(programs) == {"sft_step_512", "sft_step_4096"}
     # 4 rows (sft.batch_size) of max_length - 1 next-token columns, rounded up to the 2 sequence shards
     assert "4 rows x 512 tokens in 2 micro-batches" in programs["sft_step_512"]["what"]
-    assert "4 rows x 2048 tokens in 2 micro-batches" in programs["sft_step_2048"]["what"]
+    assert "4 rows x 4096 tokens in 2 micro-batches" in programs["sft_step_4096"]["what"]
     for program in programs.values():
         assert _has_kernels(program, *SPLASH_FORWARD, *SPLASH_BACKWARD), program["kernels"]
         assert program["fits"] and program["model_flops_per_device"] > 0
-    # 4x the tokens: more activation memory, and at least 4x the model FLOPs (attention grows faster)
-    assert programs["sft_step_2048"]["temp_bytes"] > programs["sft_step_512"]["temp_bytes"]
-    assert programs["sft_step_2048"]["model_flops_per_device"] > 4 * programs["sft_step_512"]["model_flops_per_device"]
+    # 8x the tokens: more activation memory, and at least 8x the model FLOPs (attention grows faster)
+    assert programs["sft_step_4096"]["temp_bytes"] > programs["sft_step_512"]["temp_bytes"]
+    assert programs["sft_step_4096"]["model_flops_per_device"] > 8 * programs["sft_step_512"]["model_flops_per_device"]
