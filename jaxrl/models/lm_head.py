@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxrl.models.sharding import logical_to_spec
+from jaxrl.models.sharding import logical_to_spec, spec_axes
 
 __all__ = ["sharded_token_logprobs_and_entropy", "token_logprobs_and_entropy"]
 
@@ -216,7 +216,6 @@ def _check_inputs(hidden, lm_head, targets, bias, chunk_size, vocab_chunk_size):
             f"vocab_chunk_size={vocab_chunk_size!r} but a positive integer or None was expected")
 
 
-
 def token_logprobs_and_entropy(
     hidden: jax.Array,
     lm_head: jax.Array,
@@ -297,8 +296,7 @@ def sharded_token_logprobs_and_entropy(hidden: jax.Array, lm_head: jax.Array, ta
     mesh = jax.sharding.get_abstract_mesh()
     spec = None if mesh.empty else logical_to_spec(("batch", "length"), targets.shape, mesh)
     token_axes = () if spec is None else tuple(
-        axis for entry in spec for axis in ((entry,) if isinstance(entry, str) else entry or ())
-        if mesh.shape[axis] > 1)
+        axis for entry in spec for axis in spec_axes(entry) if mesh.shape[axis] > 1)
     if not token_axes:
         return _token_head(hidden, lm_head, targets, bias, chunk_size, vocab_chunk_size, compute_dtype, ())
     gather_axes = token_axes if lm_head.shape[0] % math.prod(mesh.shape[a] for a in token_axes) == 0 else ()
